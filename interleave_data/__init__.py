@@ -1,0 +1,1 @@
+"""Text in, interleaving examples out. Knows nothing of models."""

@@ -1,0 +1,1 @@
+"""Policy, GRPO loss, alignment metric and callbacks for word-interleaving training."""
