@@ -1,0 +1,273 @@
+"""InterleaveDataModule: curriculum stages, replay, the SFT -> GRPO warm-start, and tokenized prompt batches."""
+
+import random
+from collections.abc import Iterator, Sequence
+from functools import partial
+
+from lightning import LightningDataModule
+from torch.utils.data import DataLoader, IterableDataset
+
+from interleave_data.cache import build_cache, cache_path, load_cache
+from interleave_data.corpus import CorpusError
+from interleave_data.curriculum import check_lengths
+from interleave_data.folder import read_split
+from interleave_data.pairs import SPLITS, Example, check_fractions
+from interleave_data.prompts import TEMPLATES, format_prompt
+
+
+class InterleaveDataModule(LightningDataModule):
+    """Serves interleaving tasks for the current curriculum stage and held-out tasks at every evaluation length.
+
+    Training is an infinite stream: batch ``k`` is drawn from ``random.Random(f"{seed}:train:{k}:{rank}")``, and ``k``
+    resumes at the number of batches already run, so a resumed run continues the same stream. Batches
+    ``k < sft_steps`` are supervised warm-start batches from one half of the stage's training pairs; later batches
+    are GRPO batches from the other half, with a share from earlier stages (replay). Validation and test give one
+    loader per evaluation length, for a score-vs-length curve.
+
+    Under a Trainer, Lightning fetches one batch ahead: a stage move made in ``on_train_batch_end`` shows from the
+    batch after next.
+
+    Args:
+        corpus: Corpus sources (see ``load_corpus``); None means the embedded default.
+        dataset_dir: A folder written by ``python -m interleave_data generate``; when given, examples are read from
+            it instead of built (the first ``*_pairs`` of each file, which equal an on-the-fly build of that size).
+        stages: Curriculum lengths in words per fragment, strictly increasing.
+        train_pairs: Training examples per stage.
+        val_pairs: Validation examples per evaluation length.
+        test_pairs: Test examples per evaluation length.
+        split_fractions: Shares of train / val / test texts.
+        seed: Seeds the split, the pairs and the training stream.
+        template: Prompt template name (see ``interleave_data.prompts.TEMPLATES``).
+        batch_size: Prompts per GRPO batch.
+        sft_batch_size: Examples per SFT batch; None means ``batch_size``.
+        sft_steps: Number of SFT batches before GRPO starts; 0 skips the warm-start.
+        eval_batch_size: Prompts per validation / test / predict batch.
+        replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
+        eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
+        predict_split: Split served by ``predict_dataloader``.
+        cache_dir: Root of the Arrow cache; None means the HF datasets cache.
+    """
+
+    def __init__(
+        self,
+        corpus: list[str] | None = None,
+        dataset_dir: str | None = None,
+        stages: Sequence[int] = (10, 25, 50, 100, 200, 500),
+        train_pairs: int = 1000,
+        val_pairs: int = 32,
+        test_pairs: int = 32,
+        split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
+        seed: int = 0,
+        template: str = "two_processes",
+        batch_size: int = 4,
+        sft_batch_size: int | None = None,
+        sft_steps: int = 0,
+        eval_batch_size: int = 16,
+        replay_fraction: float = 0.0,
+        eval_stages: Sequence[int] | None = None,
+        predict_split: str = "test",
+        cache_dir: str | None = None,
+    ):
+        super().__init__()
+        self.corpus = [corpus] if isinstance(corpus, str) else (list(corpus) if corpus else None)
+        self.dataset_dir = dataset_dir
+        self.stages = check_lengths(stages, "stages")
+        self.eval_lengths = list(self.stages) if eval_stages is None else check_lengths(eval_stages, "eval_stages")
+        self.train_pairs = train_pairs
+        self.val_pairs = val_pairs
+        self.test_pairs = test_pairs
+        self.split_fractions = check_fractions(split_fractions)
+        self.seed = seed
+        self.template = template
+        self.batch_size = batch_size
+        self.sft_batch_size = batch_size if sft_batch_size is None else sft_batch_size
+        self.sft_steps = sft_steps
+        self.eval_batch_size = eval_batch_size
+        self.replay_fraction = replay_fraction
+        self.predict_split = predict_split
+        self.cache_dir = cache_dir
+        self._check_args()
+        self.tokenizer = None  # assigned by the LightningModule in its setup(), before any batch is collated
+        self.stage_index = 0
+        self._pools: dict[tuple[int, str], list[Example]] = {}
+
+    def _check_args(self) -> None:
+        if self.template not in TEMPLATES:
+            raise CorpusError(f"template: unknown {self.template!r}; choose one of: {', '.join(TEMPLATES)}")
+        if self.predict_split not in SPLITS:
+            raise CorpusError(f"predict_split must be one of {', '.join(SPLITS)}, got {self.predict_split!r}")
+        # Each half of the training pairs must be non-empty once the warm-start splits them.
+        min_train = 2 if self.sft_steps > 0 else 1
+        if self.train_pairs < min_train or self.val_pairs < 0 or self.test_pairs < 0:
+            raise CorpusError(f"need train_pairs >= {min_train} and val_pairs, test_pairs >= 0, got {self.pairs}")
+        if min(self.batch_size, self.sft_batch_size, self.eval_batch_size) < 1 or self.sft_steps < 0:
+            raise CorpusError("batch_size, sft_batch_size and eval_batch_size must be >= 1, sft_steps >= 0")
+        if not 0.0 <= self.replay_fraction < 1.0:
+            raise CorpusError(f"replay_fraction must be in [0, 1), got {self.replay_fraction}")
+
+    @property
+    def pairs(self) -> dict[str, int]:
+        """``split -> examples per length``."""
+        return {"train": self.train_pairs, "val": self.val_pairs, "test": self.test_pairs}
+
+    @property
+    def stage_words(self) -> int:
+        """Words per fragment at the current stage."""
+        return self.stages[self.stage_index]
+
+    def set_stage(self, index: int) -> None:
+        """Moves training to stage ``index``; the next batch drawn comes from it."""
+        if not 0 <= index < len(self.stages):
+            raise ValueError(f"stage index must be in [0, {len(self.stages) - 1}], got {index}")
+        self.stage_index = index
+
+    def state_dict(self) -> dict:
+        return {"stage_index": self.stage_index}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.set_stage(state_dict["stage_index"])
+
+    def _lengths(self) -> dict[str, list[int]]:
+        """``split -> lengths`` this module serves; splits asked for zero pairs are left out."""
+        lengths = {"train": self.stages, "val": self.eval_lengths, "test": self.eval_lengths}
+        return {split: ns for split, ns in lengths.items() if self.pairs[split] > 0}
+
+    def _cache_args(self) -> tuple:
+        return self.corpus, self._lengths(), self.pairs, self.split_fractions, self.seed
+
+    def prepare_data(self) -> None:
+        """Builds and caches the examples (once per node); a no-op when reading a dataset folder."""
+        if self.dataset_dir is None:
+            build_cache(cache_path(*self._cache_args(), self.cache_dir), *self._cache_args())
+
+    def setup(self, stage: str | None = None) -> None:
+        """Loads the examples of every split; safe to call on every rank and more than once."""
+        if self._pools:
+            return
+        if self.dataset_dir is not None:
+            self._pools = {(n, split): self._read_folder(n, split) for split, ns in self._lengths().items() for n in ns}
+            return
+        path = cache_path(*self._cache_args(), self.cache_dir)
+        build_cache(path, *self._cache_args())  # no-op after prepare_data; builds when setup is called on its own
+        self._pools = load_cache(path)
+
+    def _read_folder(self, n_words: int, split: str) -> list[Example]:
+        examples = read_split(self.dataset_dir, n_words, split)
+        if len(examples) < self.pairs[split]:
+            raise CorpusError(
+                f"{self.dataset_dir}: {n_words}words/{split}.jsonl has {len(examples)} examples, "
+                f"{split}_pairs asks for {self.pairs[split]}"
+            )
+        return examples[: self.pairs[split]]
+
+    def examples(self, n_words: int, split: str) -> list[Example]:
+        """The examples of one length and split (empty if this module does not serve them)."""
+        if not self._pools:
+            raise RuntimeError("InterleaveDataModule has no examples yet: call prepare_data() and setup() first")
+        return self._pools.get((n_words, split), [])
+
+    def _train_pool(self, n_words: int, phase: str) -> list[Example]:
+        """The SFT half or the GRPO half of a stage's training pairs (all of them when there is no warm-start)."""
+        pool = self.examples(n_words, "train")
+        if self.sft_steps == 0:
+            return pool
+        half = len(pool) // 2
+        return pool[:half] if phase == "sft" else pool[half:]
+
+    def sample_train_batch(self, k: int, rank: int = 0) -> tuple[str, list[Example]]:
+        """Draws training batch ``k`` of ``rank`` at the current stage.
+
+        Returns:
+            ``(phase, examples)`` with phase "sft" for ``k < sft_steps``, else "grpo".
+        """
+        rng = random.Random(f"{self.seed}:train:{k}:{rank}")
+        if k < self.sft_steps:
+            return "sft", _sample(rng, self._train_pool(self.stage_words, "sft"), self.sft_batch_size)
+        # At least one prompt of each batch stays at the current stage, whatever the rounding.
+        n_replay = min(round(self.replay_fraction * self.batch_size), self.batch_size - 1) if self.stage_index else 0
+        batch = _sample(rng, self._train_pool(self.stage_words, "grpo"), self.batch_size - n_replay)
+        earlier = self.stages[: self.stage_index]
+        batch += [rng.choice(self._train_pool(rng.choice(earlier), "grpo")) for _ in range(n_replay)]
+        return "grpo", batch
+
+    def collate(self, examples: Sequence[Example], phase: str) -> dict:
+        """Formats and tokenizes prompts, left-padded for generation; targets stay strings for the reward.
+
+        Returns:
+            ``prompt_ids`` and ``prompt_mask`` (LongTensor [B, P], mask 1 on real tokens), ``prompts``,
+            ``targets``, ``ids``, ``n_words`` (lists of length B) and ``phase``.
+        """
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            raise RuntimeError(
+                "InterleaveDataModule.tokenizer is not set: the LightningModule must assign "
+                "datamodule.tokenizer in its setup() before batches are built"
+            )
+        if tokenizer.pad_token_id is None:
+            raise RuntimeError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token)")
+        prompts = [format_prompt(e.a, e.b, self.template, tokenizer) for e in examples]
+        # A chat template already writes the special tokens (BOS); adding them again would double them.
+        chat = bool(getattr(tokenizer, "chat_template", None))
+        encoded = tokenizer(
+            prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat
+        )
+        return {
+            "prompt_ids": encoded["input_ids"].long(),  # [B, P]
+            "prompt_mask": encoded["attention_mask"].long(),  # [B, P]
+            "prompts": prompts,
+            "targets": [e.target for e in examples],
+            "ids": [e.id for e in examples],
+            "n_words": [e.n_words for e in examples],
+            "phase": phase,
+        }
+
+    def train_dataloader(self) -> DataLoader:
+        # In-process (num_workers=0) so a stage change is seen by the very next batch drawn.
+        return DataLoader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
+
+    def _collate_train(self, item: tuple[str, list[Example]]) -> dict:
+        phase, examples = item
+        return self.collate(examples, phase)
+
+    def _eval_loader(self, examples: list[Example]) -> DataLoader:
+        return DataLoader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))
+
+    def val_dataloader(self) -> list[DataLoader]:
+        return [self._eval_loader(self.examples(n, "val")) for n in self.eval_lengths] if self.val_pairs else []
+
+    def test_dataloader(self) -> list[DataLoader]:
+        return [self._eval_loader(self.examples(n, "test")) for n in self.eval_lengths] if self.test_pairs else []
+
+    def predict_dataloader(self) -> DataLoader:
+        lengths = self.stages if self.predict_split == "train" else self.eval_lengths
+        return self._eval_loader([e for n in lengths for e in self.examples(n, self.predict_split)])
+
+
+class _TrainStream(IterableDataset):
+    """Endless training batches; reads the DataModule's stage at every draw."""
+
+    def __init__(self, datamodule: InterleaveDataModule):
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[tuple[str, list[Example]]]:
+        trainer = self.datamodule.trainer
+        k = _batches_run(trainer) if trainer is not None else 0
+        rank = trainer.global_rank if trainer is not None else 0
+        while True:
+            yield self.datamodule.sample_train_batch(k, rank)
+            k += 1
+
+
+def _batches_run(trainer) -> int:
+    """Training batches already run, across epochs and restored on resume.
+
+    Not ``global_step``: under manual optimization a batch may take several optimizer steps, or none when skipped.
+    ``processed`` is counted right after each training_step, so it is exact whether the checkpoint was saved at the
+    end of a batch, after validation, or at the end of fit.
+    """
+    return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+
+def _sample(rng: random.Random, pool: list[Example], n: int) -> list[Example]:
+    """``n`` distinct examples when the pool allows it, else ``n`` draws with replacement."""
+    return rng.sample(pool, n) if n <= len(pool) else rng.choices(pool, k=n)
