@@ -1,0 +1,390 @@
+"""GRPO math as pure tensor functions: advantages, token log-probs, entropy, KL estimators and the policy loss.
+
+Shapes: ``B`` prompts, ``G`` completions per prompt (``num_generations``), ``N = B*G`` sequences, ``L`` completion
+tokens, ``V`` vocabulary. Rewards and sequences are ordered group-major: prompt 0's ``G`` completions come first.
+Names follow TRL's ``GRPOTrainer`` where they mean the same thing (``num_generations``, ``scale_rewards``,
+``epsilon``, ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+SCALE_REWARDS = ("group", "batch", "none")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+
+# Elements of one fp32 [chunk, V] working tensor: 2**26 floats = 256 MiB, about 520 tokens of Llama-3's 128k vocab.
+_CHUNK_ELEMENTS = 2**26
+
+
+class LossOutput(NamedTuple):
+    """Policy loss and its diagnostics. All fields are scalars; all but ``loss`` are detached.
+
+    Attributes:
+        loss: The differentiable objective to minimise (policy-gradient term plus ``beta`` times KL).
+        pg_loss: The clipped policy-gradient term alone, aggregated like ``loss``.
+        kl: Mean per-token KL(policy || reference) over masked tokens; 0 when no reference is given.
+        clip_frac: Share of masked tokens whose clipped term was active (the gradient through them is zero).
+        ratio_mean: Mean importance ratio ``pi / pi_old`` over masked tokens (1 on the first pass over a rollout).
+    """
+
+    loss: Tensor
+    pg_loss: Tensor
+    kl: Tensor
+    clip_frac: Tensor
+    ratio_mean: Tensor
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of ``x`` where ``mask`` is set; 0 where nothing is set (never NaN).
+
+    Values outside the mask are replaced, not multiplied, so an ``inf`` or ``NaN`` there cannot leak in.
+
+    Args:
+        x: Values, any shape.
+        mask: Bool or 0/1 tensor broadcastable to ``x``.
+        dim: Dimension to reduce; ``None`` reduces everything to a scalar.
+
+    Returns:
+        The masked mean, ``x`` reduced over ``dim``.
+    """
+    mask = mask.bool().expand_as(x)
+    total = torch.where(mask, x, torch.zeros_like(x)).sum(dim=dim)
+    count = mask.sum(dim=dim).clamp(min=1)
+    return total / count
+
+
+def _grouped(rewards: Tensor, num_generations: int) -> Tensor:
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
+    if num_generations < 2:
+        raise ValueError(f"num_generations must be >= 2 (a group needs a baseline), got {num_generations}")
+    if rewards.numel() % num_generations:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of num_generations={num_generations}")
+    dtype = torch.promote_types(rewards.dtype, torch.float32)
+    return rewards.to(dtype).view(-1, num_generations)  # [B, G]
+
+
+def zero_std_groups(rewards: Tensor, num_generations: int) -> Tensor:
+    """Groups whose completions all got the same reward: they carry no learning signal.
+
+    Args:
+        rewards: ``[B*G]`` rewards, group-major.
+        num_generations: ``G``, completions per prompt.
+
+    Returns:
+        ``[B]`` bool, True where every reward of the group equals the group's first (exact equality).
+    """
+    grouped = _grouped(rewards, num_generations)  # [B, G]
+    return (grouped == grouped[:, :1]).all(dim=1)  # [B]
+
+
+def group_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    scale_rewards: str = "group",
+    estimator: str = "grpo",
+    eps: float = 1e-4,
+) -> Tensor:
+    """Group-relative advantages: each reward minus a baseline from its own group, optionally scaled.
+
+    The baseline is the group mean (``"grpo"``) or the mean of the other ``G - 1`` completions (``"rloo"``, leave
+    one out; equal to ``G / (G - 1) * (r - mean)``). Scaling follows TRL: divide by ``std + eps`` where std is
+    ``torch.std``'s default, the unbiased one (``correction=1``), of the rewards of the group (``"group"``) or of the
+    whole batch (``"batch"``); ``"none"`` does not scale (Dr. GRPO). A group whose rewards are all equal gets exactly
+    zero advantage, whatever the rounding of its mean.
+
+    Args:
+        rewards: ``[B*G]`` rewards, group-major.
+        num_generations: ``G``, completions per prompt, at least 2.
+        scale_rewards: ``"group"``, ``"batch"`` or ``"none"``.
+        estimator: ``"grpo"`` or ``"rloo"``.
+        eps: Added to the std before dividing.
+
+    Returns:
+        ``[B*G]`` advantages (float32, or float64 for float64 rewards).
+
+    Raises:
+        ValueError: On a bad shape, ``num_generations``, ``scale_rewards``, ``estimator`` or ``eps``.
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if estimator not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    grouped = _grouped(rewards, num_generations)  # [B, G]
+    if estimator == "grpo":
+        baseline = grouped.mean(dim=1, keepdim=True)  # [B, 1]
+    else:
+        baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (num_generations - 1)  # [B, G]
+    advantages = grouped - baseline  # [B, G]
+    if scale_rewards == "group":
+        advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # [B, G]
+    elif scale_rewards == "batch":
+        advantages = advantages / (grouped.std() + eps)  # [B, G]
+    flat = zero_std_groups(rewards, num_generations)[:, None]  # [B, 1]
+    advantages = advantages.masked_fill(flat, 0.0)  # [B, G]
+    return advantages.reshape(-1)  # [B*G]
+
+
+def _chunks(n: int, length: int, chunk_size: int):
+    """Yields (rows, columns) slices tiling an ``[n, length]`` grid with at most ``chunk_size`` cells each."""
+    if length <= chunk_size:
+        step = chunk_size // max(length, 1)
+        for i in range(0, n, step):
+            yield slice(i, i + step), slice(None)
+    else:
+        for i in range(n):
+            for j in range(0, length, chunk_size):
+                yield slice(i, i + 1), slice(j, j + chunk_size)
+
+
+def _scaled_chunk(logits: Tensor, rows: slice, cols: slice, temperature: float) -> Tensor:
+    """A fresh (safe to modify in place) fp32-or-wider copy of ``logits[rows, cols] / temperature``."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    x = logits[rows, cols].to(dtype, copy=True)  # [n, l, V]
+    return x.div_(temperature) if temperature != 1.0 else x
+
+
+def _chunk_size(logits: Tensor, chunk_size: int | None) -> int:
+    if chunk_size is None:
+        return max(1, _CHUNK_ELEMENTS // max(logits.shape[-1], 1))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log softmax(logits / T)[token], chunked both ways: backward keeps only ``logits`` and the ``[N, L]`` lse."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        n, length, _ = logits.shape
+        out_dtype = torch.promote_types(logits.dtype, torch.float32)
+        logprobs = logits.new_empty((n, length), dtype=out_dtype)  # [N, L]
+        lse = logits.new_empty((n, length), dtype=out_dtype)  # [N, L]
+        for rows, cols in _chunks(n, length, chunk_size):
+            x = _scaled_chunk(logits, rows, cols, temperature)  # [n, l, V]
+            lse[rows, cols] = torch.logsumexp(x, dim=-1)  # [n, l]
+            picked = x.gather(-1, tokens[rows, cols, None]).squeeze(-1)  # [n, l]
+            logprobs[rows, cols] = picked - lse[rows, cols]  # [n, l]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return logprobs
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        grad = torch.empty_like(logits)  # [N, L, V]
+        n, length, _ = logits.shape
+        # d/dx_j [x_t / T - lse(x / T)] = (1[j == t] - p_j) / T
+        for rows, cols in _chunks(n, length, ctx.chunk_size):
+            g = grad_out[rows, cols, None].to(lse.dtype)  # [n, l, 1]
+            p = _scaled_chunk(logits, rows, cols, ctx.temperature).sub_(lse[rows, cols, None]).exp_()  # [n, l, V]
+            p.mul_(-g).scatter_add_(-1, tokens[rows, cols, None], g)  # [n, l, V]
+            grad[rows, cols] = p.div_(ctx.temperature) if ctx.temperature != 1.0 else p
+        return grad, None, None, None
+
+
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
+) -> Tensor:
+    """Log-probability of each token under ``softmax(logits / temperature)``, without a full fp32 log-softmax.
+
+    Works through at most ``chunk_size`` token rows at a time in fp32 (``gather - logsumexp``); the backward pass
+    recomputes the softmax chunk by chunk instead of keeping it, so training holds only the logits and an ``[N, L]``
+    logsumexp. Logits are divided by ``temperature`` first, as TRL does, so log-probs match the sampling distribution.
+
+    Args:
+        logits: ``[N, L, V]`` in any float dtype (non-contiguous views such as ``logits[:, :-1]`` are not copied).
+        tokens: ``[N, L]`` token ids, all valid indices into ``V`` (padding positions included).
+        temperature: Sampling temperature, > 0.
+        chunk_size: Token rows per chunk; default: as many as fit 256 MiB of fp32 ``[chunk, V]``.
+
+    Returns:
+        ``[N, L]`` log-probs in float32 (float64 for float64 logits).
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits [N, L, V] and tokens [N, L], got {tuple(logits.shape)}, {tuple(tokens.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _TokenLogProbs.apply(logits, tokens.long(), float(temperature), _chunk_size(logits, chunk_size))
+
+
+@torch.no_grad()
+def token_entropy(logits: Tensor, temperature: float = 1.0, *, chunk_size: int | None = None) -> Tensor:
+    """Entropy of ``softmax(logits / temperature)`` at each position, chunked like :func:`token_logprobs`.
+
+    A diagnostic: computed without grad, so it never enters the loss.
+
+    Args:
+        logits: ``[N, L, V]`` in any float dtype.
+        temperature: Sampling temperature, > 0.
+        chunk_size: Token rows per chunk; default as in :func:`token_logprobs`.
+
+    Returns:
+        ``[N, L]`` entropies in nats, float32 (float64 for float64 logits).
+    """
+    if logits.dim() != 3:
+        raise ValueError(f"expected logits [N, L, V], got {tuple(logits.shape)}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    n, length, _ = logits.shape
+    entropy = logits.new_empty((n, length), dtype=torch.promote_types(logits.dtype, torch.float32))  # [N, L]
+    for rows, cols in _chunks(n, length, _chunk_size(logits, chunk_size)):
+        x = _scaled_chunk(logits, rows, cols, temperature)  # [n, l, V]
+        p = x.sub_(torch.logsumexp(x, dim=-1, keepdim=True)).exp_()  # [n, l, V]
+        # xlogy: a -inf logit (masked vocabulary) has p = 0 and contributes 0, not NaN
+        entropy[rows, cols] = -torch.special.xlogy(p, p).sum(dim=-1)  # [n, l]
+    return entropy
+
+
+def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL divergence").
+
+    With ``log_ratio = ref_logprobs - logprobs``: ``k1 = -log_ratio`` (unbiased, can be negative),
+    ``k2 = 0.5 * log_ratio**2`` (biased, >= 0), ``k3 = exp(log_ratio) - log_ratio - 1`` (unbiased, >= 0; TRL's).
+
+    Args:
+        logprobs: ``[N, L]`` log-probs of the sampled tokens under the policy.
+        ref_logprobs: ``[N, L]`` log-probs of the same tokens under the reference.
+        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+
+    Returns:
+        ``[N, L]`` per-token KL estimates.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    if logprobs.shape != ref_logprobs.shape:
+        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, ref {tuple(ref_logprobs.shape)}")
+    log_ratio = ref_logprobs - logprobs  # [N, L]
+    if estimator == "k1":
+        return -log_ratio  # [N, L]
+    if estimator == "k2":
+        return 0.5 * log_ratio**2  # [N, L]
+    return torch.exp(log_ratio) - log_ratio - 1  # [N, L]
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+) -> LossOutput:
+    """PPO-clipped GRPO objective with an optional KL penalty to a reference.
+
+    Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL`` with
+    ``ratio = exp(logprobs - old_logprobs)``. Aggregation (``loss_type``, TRL's names):
+    ``"grpo"`` averages tokens within each sequence, then sequences; ``"dr_grpo"`` sums all tokens and divides by
+    the constant ``N * max_completion_length``; ``"dapo"`` averages over all completion tokens of the batch.
+    Positions outside ``mask`` are replaced by zero before any ``exp``, so padding garbage cannot produce NaN, and a
+    row with no completion tokens contributes 0 (it still counts in ``"grpo"``'s mean over sequences, as in TRL).
+    The KL is measured whenever ``ref_logprobs`` is given and enters the loss only when ``beta > 0``.
+
+    Args:
+        logprobs: ``[N, L]`` log-probs of the completion tokens under the current policy (with grad).
+        old_logprobs: ``[N, L]`` log-probs under the policy that sampled them (``logprobs.detach()`` on the first
+            pass over a rollout, making ``ratio == 1`` in value but not in gradient).
+        advantages: ``[N]`` one advantage per sequence.
+        mask: ``[N, L]`` bool or 0/1: the completion tokens that count.
+        epsilon: Lower clip range, ratio >= ``1 - epsilon``.
+        epsilon_high: Upper clip range (DAPO's clip-higher), ratio <= ``1 + epsilon_high``; defaults to ``epsilon``.
+        ref_logprobs: ``[N, L]`` log-probs under the reference model, or ``None``.
+        beta: KL coefficient; ``beta > 0`` needs ``ref_logprobs``.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
+        loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
+        max_completion_length: The ``dr_grpo`` normaliser's length; defaults to ``L``.
+
+    Returns:
+        :class:`LossOutput`.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    if epsilon < 0 or epsilon_high < 0:
+        raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if beta > 0 and ref_logprobs is None:
+        raise ValueError("beta > 0 needs ref_logprobs")
+    shapes = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs}
+    for name, other in shapes.items():
+        if other is not None and other.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    n, length = logprobs.shape
+    if advantages.shape != (n,):
+        raise ValueError(f"advantages must be [N]=[{n}], got {tuple(advantages.shape)}")
+    max_completion_length = length if max_completion_length is None else max_completion_length
+    if max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+
+    # Padding is zeroed at the inputs, before any exp: an inf or NaN there reaches neither the loss nor its gradient.
+    mask = mask.bool()  # [N, L]
+    zeros = torch.zeros_like(logprobs)  # [N, L]
+    logprobs = torch.where(mask, logprobs, zeros)  # [N, L]
+    ratio = torch.exp(logprobs - torch.where(mask, old_logprobs, zeros))  # [N, L]
+    adv = advantages[:, None].to(ratio.dtype)  # [N, 1]
+    unclipped = ratio * adv  # [N, L]
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv  # [N, L]
+    pg_per_token = -torch.minimum(unclipped, clipped)  # [N, L]
+
+    kl_per_token = torch.zeros_like(pg_per_token)  # [N, L]
+    if ref_logprobs is not None:
+        kl_per_token = kl_divergence(logprobs, torch.where(mask, ref_logprobs, zeros), kl_estimator)  # [N, L]
+    per_token = pg_per_token + beta * kl_per_token if beta > 0 else pg_per_token  # [N, L]
+
+    def aggregate(values: Tensor) -> Tensor:
+        values = torch.where(mask, values, zeros)  # [N, L]
+        if loss_type == "grpo":
+            return masked_mean(values, mask, dim=1).mean()
+        if loss_type == "dr_grpo":
+            return values.sum() / (n * max_completion_length)
+        return values.sum() / mask.sum().clamp(min=1)
+
+    loss = aggregate(per_token)
+    with torch.no_grad():
+        # clipped in the direction that binds: above the band for A > 0, below it for A < 0
+        is_clipped = ((ratio > 1 + epsilon_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))  # [N, L]
+        return LossOutput(
+            loss=loss,
+            pg_loss=aggregate(pg_per_token),
+            kl=masked_mean(kl_per_token, mask),
+            clip_frac=masked_mean(is_clipped.float(), mask),
+            ratio_mean=masked_mean(ratio, mask),
+        )
+
+
+def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor:
+    """Next-token cross-entropy for the supervised warm-start, chunked like :func:`token_logprobs`.
+
+    Args:
+        logits: ``[N, L, V]``, already aligned with ``labels``: position ``t`` predicts ``labels[:, t]``.
+        labels: ``[N, L]`` target ids, ``ignore_index`` where nothing is learned (prompt, padding).
+        ignore_index: Label value that does not count.
+
+    Returns:
+        Scalar mean cross-entropy over the counted labels; 0 (still differentiable) when none counts, where
+        ``torch.nn.functional.cross_entropy`` would give NaN.
+    """
+    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"expected logits [N, L, V] and labels [N, L], got {tuple(logits.shape)}, {tuple(labels.shape)}"
+        )
+    keep = labels != ignore_index  # [N, L]
+    logprobs = token_logprobs(logits, labels.masked_fill(~keep, 0))  # [N, L]
+    return -masked_mean(logprobs, keep)
