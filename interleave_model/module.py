@@ -1,0 +1,417 @@
+"""The LightningModule: a GRPO step is rollout -> rewards -> advantages -> clipped loss with KL to a reference."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+from typing import NamedTuple
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor
+
+from interleave_data.corpus import load_corpus
+from interleave_data.prompts import format_prompt
+from interleave_model import grpo
+from interleave_model.alignment import align
+from interleave_model.metric import AlignmentScore
+from interleave_model.policy import (
+    TINY,
+    LoraSettings,
+    TinyModelConfig,
+    apply_lora,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    frozen_copy,
+    is_peft,
+    load_pretrained,
+)
+from interleave_model.rewards import AlignmentReward, RewardFunction, combine
+from interleave_model.rollout import Rollout, rollout, token_budget
+from interleave_model.schedule import lr_factor
+
+
+class Trajectory(NamedTuple):
+    """Everything the update needs from one rollout, group-major over P prompts x G completions."""
+
+    input_ids: Tensor  # [P*G, Lp+C] prompt then completion
+    attention_mask: Tensor  # [P*G, Lp+C]
+    completion_ids: Tensor  # [P*G, C]
+    completion_mask: Tensor  # [P*G, C]
+    old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
+    ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
+    rewards: Tensor  # [P*G]
+    advantages: Tensor  # [P*G]
+    rollout: Rollout
+
+
+class InterleaveGRPO(L.LightningModule):
+    """Policy, frozen reference and GRPO loss for word interleaving.
+
+    Args:
+        model_name_or_path: A local HF model folder, a hub name (when online), or "tiny" for the embedded tiny Llama.
+        tiny: Shape of the embedded tiny model (used only when model_name_or_path is "tiny").
+        corpus: Corpus sources whose words form the tiny tokenizer's vocabulary (linked from `data.corpus`).
+        template: Prompt template whose words join the tiny vocabulary (linked from `data.template`).
+        dtype: Weights dtype when loading ("bfloat16", "float32", "auto"); mixed precision is the trainer's.
+        attn_implementation: Passed to `from_pretrained` ("sdpa", "eager", "flash_attention_2").
+        trust_remote_code: Allow model code from the model folder. Off unless you trust it.
+        lora: LoRA settings; None trains all weights.
+        gradient_checkpointing: Recompute activations in the backward pass (less memory, ~30% more time).
+        seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
+        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
+        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL).
+        top_p: Nucleus sampling mass.
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        budget_margin: Share of the longest target's token length added to the automatic budget.
+        beta: KL coefficient; 0 skips the reference forward entirely.
+        kl_estimator: "k1", "k2" or "k3".
+        epsilon: Lower clip of the ratio (1 - epsilon).
+        epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
+        num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
+        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level).
+        scale_rewards: "group", "batch" or "none" (Dr. GRPO).
+        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        rewards: Reward functions with weights; the alignment score alone by default.
+        learning_rate: Peak learning rate of the GRPO phase.
+        sft_learning_rate: Peak learning rate of the supervised warm-start phase.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps.
+        lr_schedule: "cosine" (to 10% at trainer.max_steps) or "constant".
+        max_grad_norm: Gradient clipping norm; 0 disables.
+        micro_batch_size: Rows per forward in the update (gradient accumulation inside a step); None = all rows.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = TINY,
+        tiny: TinyModelConfig | None = None,
+        corpus: list[str] | None = None,
+        template: str = "two_processes",
+        dtype: str | None = None,
+        attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
+        lora: LoraSettings | None = None,
+        gradient_checkpointing: bool = False,
+        seed: int = 0,
+        num_generations: int = 8,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        budget_margin: float = 0.25,
+        beta: float = 0.04,
+        kl_estimator: str = "k3",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        num_iterations: int = 1,
+        loss_type: str = "grpo",
+        scale_rewards: str = "group",
+        advantage_estimator: str = "grpo",
+        rewards: list[RewardFunction] | None = None,
+        learning_rate: float = 1e-5,
+        sft_learning_rate: float = 1e-3,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        lr_schedule: str = "cosine",
+        max_grad_norm: float = 1.0,
+        micro_batch_size: int | None = None,
+    ) -> None:
+        super().__init__()
+        if num_generations < 2:
+            raise ValueError(f"model.num_generations must be >= 2 for group-relative advantages, got {num_generations}")
+        self.save_hyperparameters(ignore=["rewards"])
+        self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
+        self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
+        self.policy, self.tokenizer = self._load_policy(tiny or TinyModelConfig())
+        if lora is not None:
+            self.policy = apply_lora(self.policy, lora)
+        if gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.policy.enable_input_require_grads()
+        # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
+        self.reference: torch.nn.Module | None = None
+        self.metrics = torch.nn.ModuleDict()
+        self.skipped_steps = 0
+        self._rng: torch.Generator | None = None
+
+    def _load_policy(self, tiny: TinyModelConfig):
+        hp = self.hparams
+        if hp.model_name_or_path != TINY:
+            return load_pretrained(hp.model_name_or_path, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
+        texts = [t.words for t in load_corpus(hp.corpus).texts]
+        tokenizer = build_tiny_tokenizer(texts, extra_words=format_prompt("", "", hp.template).split())
+        return build_tiny_model(tokenizer, tiny, seed=hp.seed), tokenizer
+
+    # ---------------------------------------------------------------- Lightning hooks
+
+    def setup(self, stage: str) -> None:
+        datamodule = getattr(self.trainer, "datamodule", None)
+        if datamodule is not None:
+            datamodule.tokenizer = self.tokenizer
+
+    def configure_optimizers(self):
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
+
+    def training_step(self, batch: dict, batch_idx: int) -> None:
+        if batch["phase"] == "sft":
+            stats = self.sft_step(batch)
+        else:
+            trajectory, stats = self.generate_trajectory(batch)
+            for _ in range(self.hparams.num_iterations):
+                stats |= self.grpo_step(trajectory)
+        self.log_dict(stats, batch_size=len(batch["targets"]))
+        self.log("stage", float(batch["n_words"][-1]), prog_bar=True, batch_size=1)
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch)
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._evaluate(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test")
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        texts = self.greedy(batch)
+        records = []
+        for i, text in enumerate(texts):
+            diagnostics = align(text, batch["targets"][i])
+            records.append(
+                {
+                    "id": batch["ids"][i],
+                    "n_words": batch["n_words"][i],
+                    "prompt": batch["prompts"][i],
+                    "target": batch["targets"][i],
+                    "completion": text,
+                    "score": diagnostics.score,
+                    "first_error": diagnostics.first_error,
+                    "a_accuracy": diagnostics.a_accuracy,
+                    "b_accuracy": diagnostics.b_accuracy,
+                }
+            )
+        return records
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["sampling_rng"] = self._generator().get_state()
+        checkpoint["skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if "sampling_rng" in checkpoint:
+            self._generator().set_state(checkpoint["sampling_rng"])
+        self.skipped_steps = checkpoint.get("skipped_steps", 0)
+        if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
+            self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after
+
+    # ---------------------------------------------------------------- the algorithm
+
+    def generate_trajectory(self, batch: dict) -> tuple[Trajectory, dict[str, float]]:
+        """Sample G completions per prompt, score them, and compute advantages and fixed log-probs."""
+        hp = self.hparams
+        G = hp.num_generations
+        started = time.perf_counter()
+        roll = rollout(
+            self.policy,
+            self.tokenizer,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            num_generations=G,
+            max_new_tokens=self._budget(batch["targets"]),
+            temperature=hp.temperature,
+            top_p=hp.top_p,
+            top_k=hp.top_k,
+            generator=self._generator(),
+        )
+        rolled = time.perf_counter()
+        targets = [t for t in batch["targets"] for _ in range(G)]
+        rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
+        rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
+        advantages = grpo.group_advantages(rewards, G, hp.scale_rewards, hp.advantage_estimator)  # [P*G]
+        scored = time.perf_counter()
+
+        input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
+        attention_mask = torch.cat([roll.prompt_mask, roll.completion_mask], dim=1)  # [P*G, Lp+C]
+        with torch.no_grad():
+            old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
+            old = old if hp.num_iterations > 1 else None
+            ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if hp.beta > 0 else None
+        trajectory = Trajectory(
+            input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
+        )
+        zero_std = grpo.zero_std_groups(rewards, G)  # [P]
+        stats = {
+            "train/reward_mean": rewards.mean().item(),
+            "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "train/frac_zero_std_groups": zero_std.float().mean().item(),
+            "train/advantage_abs_mean": advantages.abs().mean().item(),
+            "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
+            "train/truncated_frac": roll.truncated.float().mean().item(),
+            "time/rollout_s": rolled - started,
+            "time/reward_s": scored - rolled,
+        }
+        stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
+        self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
+        return trajectory, stats
+
+    def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
+        """One clipped policy-gradient update on a trajectory, in micro-batches of rows."""
+        hp = self.hparams
+        started = time.perf_counter()
+        mask = trajectory.completion_mask.float()  # [N, C]
+        n_rows, width = mask.shape
+        total_tokens = mask.sum().clamp(min=1.0)
+        totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        for rows in self._row_chunks(n_rows):
+            ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
+            logits = self._completion_logits(self.policy, ids, attention, width)  # [n, C, V]
+            logprobs = grpo.token_logprobs(logits, trajectory.completion_ids[rows], hp.temperature)  # [n, C]
+            old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
+            ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
+            out = grpo.policy_loss(
+                logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
+                epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
+                loss_type=hp.loss_type, max_completion_length=width,
+            )  # fmt: skip
+            # each chunk's share of the whole-batch aggregate: rows for sequence-level losses, tokens for "dapo";
+            # the per-token statistics are token-weighted whatever the loss type
+            token_share = (mask[rows].sum() / total_tokens).item()
+            share = token_share if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
+            self.manual_backward(out.loss * share)
+            with torch.no_grad():
+                entropy = grpo.masked_mean(grpo.token_entropy(logits.detach(), hp.temperature), mask[rows])
+            totals["loss"] += out.loss.item() * share
+            totals["pg_loss"] += out.pg_loss.item() * share
+            for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
+                totals[key] += value.item() * token_share
+        self._step_optimizer(totals["loss"], self.hparams.learning_rate)
+        stats = {f"train/{k}": v for k, v in totals.items()}
+        stats["time/update_s"] = time.perf_counter() - started
+        return stats
+
+    def sft_step(self, batch: dict) -> dict[str, float]:
+        """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
+        started = time.perf_counter()
+        input_ids, attention_mask, labels = self._sft_inputs(batch)  # [B, Lp+T] each
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        logits = self._completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
+        loss = grpo.sft_loss(logits, labels)
+        self.manual_backward(loss)
+        self._step_optimizer(loss.item(), self.hparams.sft_learning_rate)
+        return {"train/sft_loss": loss.item(), "time/update_s": time.perf_counter() - started}
+
+    # ---------------------------------------------------------------- pieces
+
+    def greedy(self, batch: dict) -> list[str]:
+        """Greedy answers, one per prompt (evaluation)."""
+        budget = self._budget(batch["targets"])
+        kwargs = {"num_generations": 1, "max_new_tokens": budget, "temperature": 0.0}
+        return rollout(self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], **kwargs).texts
+
+    def _evaluate(self, batch: dict) -> None:
+        length = str(batch["n_words"][0])
+        if length not in self.metrics:
+            self.metrics[length] = AlignmentScore().to(self.device)
+        self.metrics[length].update(self.greedy(batch), batch["targets"])
+
+    def _log_metrics(self, prefix: str) -> None:
+        for length, metric in self.metrics.items():
+            self.log(f"{prefix}/alignment_{length}w", metric.compute(), batch_size=1)
+            metric.reset()
+
+    def _budget(self, targets: list[str]) -> int:
+        """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
+        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
+        needed = max(lengths) + 1  # + EOS
+        fixed = self.hparams.max_new_tokens
+        if fixed is not None:
+            if fixed < needed:
+                raise ValueError(
+                    f"model.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
+                    "raise it or leave it null to size the budget from the targets"
+                )
+            return fixed
+        return token_budget(lengths, margin=self.hparams.budget_margin)
+
+    def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
+        """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens."""
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        answers = [ids + [eos] for ids in self.tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
+        width = max(len(a) for a in answers)
+        answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
+        labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]
+        for i, answer in enumerate(answers):
+            answer_ids[i, : len(answer)] = torch.tensor(answer)
+            labels[i, : len(answer)] = torch.tensor(answer)
+        answer_ids, labels = answer_ids.to(self.device), labels.to(self.device)
+        input_ids = torch.cat([batch["prompt_ids"], answer_ids], dim=1)  # [B, Lp+T]
+        attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
+        return input_ids, attention_mask, labels
+
+    @staticmethod
+    def _completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
+        """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
+        out = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=width + 1
+        )
+        return out.logits[:, :-1]  # position t predicts token t+1, so drop the last
+
+    def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
+        chunks = []
+        for rows in self._row_chunks(input_ids.shape[0]):
+            logits = self._completion_logits(model, input_ids[rows], attention_mask[rows], completion_ids.shape[1])
+            chunks.append(grpo.token_logprobs(logits, completion_ids[rows], self.hparams.temperature))
+        return torch.cat(chunks)  # [N, C]
+
+    def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
+        with self._reference() as reference:
+            return self._logprobs(reference, input_ids, attention_mask, completion_ids)
+
+    @contextlib.contextmanager
+    def _reference(self) -> Iterator[torch.nn.Module]:
+        """The reference policy: the adapter switched off under LoRA (no second copy), else a frozen snapshot."""
+        if is_peft(self.policy):
+            with self.policy.disable_adapter():
+                yield self.policy
+            return
+        if self.reference is None:
+            rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
+            self.reference = frozen_copy(self.policy)
+        yield self.reference
+
+    def _row_chunks(self, n_rows: int) -> list[slice]:
+        size = self.hparams.micro_batch_size or n_rows
+        return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+    def _step_optimizer(self, loss: float, base_lr: float) -> None:
+        """Clip, set the scheduled rate and step, unless the loss is not finite (then skip, count and log)."""
+        optimizer = self.optimizers()
+        if not math.isfinite(loss):
+            self.skipped_steps += 1
+            optimizer.zero_grad()
+            self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
+            return
+        if self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        hp = self.hparams
+        lr = base_lr * lr_factor(self.global_step, hp.warmup_steps, self.trainer.max_steps, hp.lr_schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        self.log("train/lr", lr, batch_size=1)
+
+    def _generator(self) -> torch.Generator:
+        if self._rng is None or self._rng.device != self.device:
+            self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
+        return self._rng

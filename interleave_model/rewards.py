@@ -1,0 +1,78 @@
+"""Reward functions: objects chosen in YAML (`class_path`), each with a weight; the reward is their weighted sum.
+
+To plug in your own scorer (a heuristic, a frozen judge model...), subclass `RewardFunction`, implement `__call__`
+returning one float per completion, and name it in the config::
+
+    model:
+      rewards:
+        - class_path: interleave_model.rewards.AlignmentReward
+        - class_path: my_package.JudgeReward
+          init_args: {weight: 0.5, judge_path: /models/judge}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from interleave_model.alignment import score_batch
+
+
+class RewardFunction:
+    """One term of the reward.
+
+    Args:
+        weight: Multiplies this term in the summed reward.
+    """
+
+    name = "reward"
+
+    def __init__(self, weight: float = 1.0) -> None:
+        self.weight = weight
+
+    def __call__(self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool]) -> list[float]:
+        """Score each completion against its target. `truncated[i]` is True when completion i never emitted EOS."""
+        raise NotImplementedError
+
+
+class AlignmentReward(RewardFunction):
+    """Word-level alignment score in [0, 1]: 1 - edit distance / longer length (the evaluation metric itself)."""
+
+    name = "alignment"
+
+    def __call__(self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool]) -> list[float]:
+        return score_batch(completions, targets)
+
+
+class FormatReward(RewardFunction):
+    """Penalty in [-1, 0] for rambling: words beyond the target's length, and a missing EOS.
+
+    Args:
+        weight: Multiplies this term in the summed reward.
+        extra_words_penalty: Subtracted in full when the completion is twice the target's length (pro rata below).
+        missing_eos_penalty: Subtracted when the completion ran out of budget without EOS.
+    """
+
+    name = "format"
+
+    def __init__(self, weight: float = 0.1, extra_words_penalty: float = 0.5, missing_eos_penalty: float = 0.5) -> None:
+        super().__init__(weight)
+        self.extra_words_penalty = extra_words_penalty
+        self.missing_eos_penalty = missing_eos_penalty
+
+    def __call__(self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool]) -> list[float]:
+        rewards = []
+        for completion, target, cut in zip(completions, targets, truncated, strict=True):
+            n_target = max(len(target.split()), 1)
+            extra = min(max(len(completion.split()) - n_target, 0) / n_target, 1.0)
+            penalty = self.extra_words_penalty * extra + self.missing_eos_penalty * float(cut)
+            rewards.append(-min(penalty, 1.0))
+        return rewards
+
+
+def combine(
+    functions: Sequence[RewardFunction], completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool]
+) -> tuple[list[float], dict[str, list[float]]]:
+    """Weighted sum of every reward function, and each term's raw values (for logging)."""
+    terms = {f.name: f(completions, targets, truncated) for f in functions}
+    total = [sum(f.weight * terms[f.name][i] for f in functions) for i in range(len(completions))]
+    return total, terms

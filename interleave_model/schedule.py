@@ -1,0 +1,29 @@
+"""Learning-rate schedule as a pure function of the step, so a resumed run needs no scheduler state."""
+
+from __future__ import annotations
+
+import math
+
+SCHEDULES = ("cosine", "constant")
+
+
+def lr_factor(
+    step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1
+) -> float:
+    """Multiplier of the base learning rate at `step`: linear warm-up, then cosine decay to `min_ratio` (or flat).
+
+    Args:
+        step: Optimizer steps taken so far (0-based).
+        warmup_steps: Steps of linear warm-up from 1/(warmup_steps+1) to 1.
+        total_steps: Step at which the cosine reaches `min_ratio`; <= 0 means unknown, and the schedule stays flat.
+        schedule: "cosine" or "constant".
+        min_ratio: Floor of the cosine, as a share of the base rate.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"lr_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant" or total_steps <= warmup_steps:
+        return 1.0
+    progress = min((step - warmup_steps) / (total_steps - warmup_steps), 1.0)
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
