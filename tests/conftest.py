@@ -1,0 +1,54 @@
+"""Fixtures shared by every test: offline mode, and a tiny module / datamodule built in a second."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
+TINY_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture
+def make_module():
+    """Build an `InterleaveGRPO` around a 1-layer, 32-wide tiny Llama; keyword arguments override the defaults."""
+    from interleave_model.module import InterleaveGRPO
+    from interleave_model.policy import TinyModelConfig
+
+    def make(**overrides):
+        kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "num_generations": 2}
+        return InterleaveGRPO(**(kwargs | overrides))
+
+    return make
+
+
+@pytest.fixture
+def make_datamodule(tmp_path):
+    """Build an `InterleaveDataModule` with short stages and few pairs, ready (set up, tokenizer attached)."""
+    from interleave_data.datamodule import InterleaveDataModule
+
+    def make(tokenizer, **overrides):
+        kwargs = {
+            "template": "compact",
+            "stages": (4, 8),
+            "train_pairs": 40,
+            "val_pairs": 4,
+            "test_pairs": 4,
+            "batch_size": 2,
+            "eval_batch_size": 4,
+            "cache_dir": str(tmp_path / "cache"),
+        }
+        dm = InterleaveDataModule(**(kwargs | overrides))
+        dm.prepare_data()
+        dm.setup("fit")
+        dm.tokenizer = tokenizer
+        return dm
+
+    return make

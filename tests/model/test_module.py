@@ -1,0 +1,121 @@
+"""The GRPO module on a tiny model: what an update may and may not touch, and its guard rails."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from interleave_model.policy import LoraSettings
+from interleave_model.rewards import RewardFunction
+
+
+class CompletionLength(RewardFunction):
+    """A reward that differs within a group from the first step (an untrained model scores 0 alignment
+    everywhere, which gives zero advantages and rightly no update)."""
+
+    name = "length"
+
+    def __call__(self, completions, targets, truncated):
+        return [len(c) / 100 for c in completions]
+
+
+def _fit(module, datamodule, steps: int) -> L.Trainer:
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    return trainer
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _logprobs(module, model, batch):
+    ids = torch.cat([batch["prompt_ids"], batch["prompt_ids"][:, -3:]], dim=1)  # any 3 "completion" tokens
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        return module._logprobs(model, ids, mask, ids[:, -3:])
+
+
+def test_grpo_step_moves_trainable_weights_only_and_reference_stays(make_module, make_datamodule):
+    module = make_module(learning_rate=1e-2, beta=0.04, rewards=[CompletionLength()])
+    datamodule = make_datamodule(module.tokenizer)
+    before = _snapshot(module.policy)
+    _fit(module, datamodule, steps=1)
+    reference = _snapshot(module.reference)
+    _fit(module, datamodule, steps=3)
+    after = dict(module.policy.named_parameters())
+    moved = {k for k, v in before.items() if not torch.equal(v, after[k])}
+    trainable = {k for k, v in after.items() if v.requires_grad}
+    assert moved and moved <= trainable
+    assert "model.embed_tokens.weight" not in moved  # frozen embeddings (tied with the output layer)
+    assert all(torch.equal(v, dict(module.reference.named_parameters())[k]) for k, v in reference.items())
+    assert not any(p.requires_grad for p in module.reference.parameters())
+
+
+def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, make_datamodule):
+    module = make_module(
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0), learning_rate=1e-2, beta=0.04, rewards=[CompletionLength()]
+    )
+    datamodule = make_datamodule(module.tokenizer)
+    base = _snapshot(module.policy)
+    batch = next(iter(datamodule.val_dataloader()[0]))
+    base_logprobs = _logprobs(module, module.policy, batch)  # the adapter starts as a no-op (B = 0)
+    _fit(module, datamodule, steps=3)
+    after = dict(module.policy.named_parameters())
+    moved = {k for k, v in base.items() if not torch.equal(v, after[k])}
+    assert moved and all("lora_" in k for k in moved)
+    assert module.reference is None  # no second copy under LoRA
+    with module._reference() as reference:
+        assert torch.equal(_logprobs(module, reference, batch), base_logprobs)
+    assert not torch.equal(_logprobs(module, module.policy, batch), base_logprobs)
+
+
+def test_beta_zero_runs_no_reference(make_module, make_datamodule):
+    module = make_module(beta=0.0)
+    _fit(module, make_datamodule(module.tokenizer), steps=2)
+    assert module.reference is None
+
+
+def test_non_finite_loss_skips_the_step_and_counts_it(make_module, make_datamodule, monkeypatch):
+    module = make_module(learning_rate=1e-2)
+    datamodule = make_datamodule(module.tokenizer)
+    monkeypatch.setattr("interleave_model.module.combine", lambda fns, c, t, tr: ([float("nan")] * len(c), {}))
+    before = _snapshot(module.policy)
+    trainer = _fit(module, datamodule, steps=2)
+    assert module.skipped_steps == 2 and trainer.global_step == 2  # counted, so max_steps still ends the run
+    assert not module.trainer.optimizers[0].state  # AdamW never saw a gradient
+    assert all(torch.equal(v, dict(module.policy.named_parameters())[k]) for k, v in before.items())
+
+
+def test_sft_phase_trains_on_target_tokens(make_module, make_datamodule):
+    module = make_module(sft_learning_rate=1e-2)
+    datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=4)
+    batch = datamodule.collate(datamodule.sample_train_batch(0)[1], "sft")
+    input_ids, attention_mask, labels = module._sft_inputs(batch)
+    answer = module.tokenizer(batch["targets"][0], add_special_tokens=False)["input_ids"]
+    assert labels[0, : len(answer) + 1].tolist() == answer + [module.tokenizer.eos_token_id]
+    assert (labels[0, len(answer) + 1 :] == -100).all()
+    before = _snapshot(module.policy)
+    _fit(module, datamodule, steps=2)
+    assert module.reference is None  # GRPO never started
+    assert any(not torch.equal(v, dict(module.policy.named_parameters())[k]) for k, v in before.items())
+
+
+def test_bad_settings_are_refused_before_training(make_module, make_datamodule):
+    with pytest.raises(ValueError, match="num_generations must be >= 2"):
+        make_module(num_generations=1)
+    module = make_module(max_new_tokens=3)
+    batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[1]))  # 8-word stage: 16-token answers
+    with pytest.raises(ValueError, match="max_new_tokens=3 cannot hold a 17-token answer"):
+        module.greedy(batch)
+
+
+def test_budget_follows_the_stage(make_module, make_datamodule):
+    module = make_module()
+    loaders = make_datamodule(module.tokenizer).val_dataloader()
+    short, long = (module._budget(next(iter(loader))["targets"]) for loader in loaders)
+    assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
