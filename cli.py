@@ -1,20 +1,75 @@
-"""Command line: `python cli.py {fit,validate,test,predict} --config configs/demo.yaml`."""
+"""Command line: `python cli.py {fit,validate,test,predict,export} --config configs/demo.yaml`."""
 
 from __future__ import annotations
 
+import os
+
+from lightning import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_model.export import export, load_weights
 from interleave_model.module import InterleaveGRPO
+from interleave_model.writers import EvaluationReport, PredictionWriter
+
+# Model arguments that say how to evaluate, not what was trained: a checkpoint's values never replace them.
+EVALUATION_KEYS = ("eval_num_samples", "eval_temperature", "pass_k", "pass_threshold")
+
+
+class InterleaveTrainer(Trainer):
+    """The Lightning Trainer plus `export`, so that `cli.py export` reads the same config as training."""
+
+    def export(
+        self,
+        model: LightningModule,
+        datamodule: LightningDataModule | None = None,
+        ckpt_path: str | None = None,
+        output_dir: str = "exported",
+        merge_lora: bool = False,
+    ) -> None:
+        """Save a checkpoint's policy and tokenizer as a HF model folder (a peft adapter folder under LoRA).
+
+        Args:
+            model: The module built from the config.
+            datamodule: Unused; the CLI passes it.
+            ckpt_path: Checkpoint whose weights to export; None exports the weights as the config builds them.
+            output_dir: Folder to write (see `interleave_model.export`).
+            merge_lora: Under LoRA, merge the adapter into the base and save a plain model folder.
+        """
+        checkpoint = load_weights(model, ckpt_path) if ckpt_path else {}
+        source = {"checkpoint": ckpt_path and os.path.abspath(ckpt_path), "global_step": checkpoint.get("global_step")}
+        export(model, output_dir, merge_lora=merge_lora, source=source)
 
 
 class InterleaveCLI(LightningCLI):
     """LightningCLI with the data settings the model also needs linked, so they are written once."""
 
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        return LightningCLI.subcommands() | {"export": {"model", "datamodule"}}
+
+    def _parse_ckpt_path(self) -> None:
+        """Build the model from the checkpoint's hyperparameters, as Lightning does, except the evaluation settings.
+
+        Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
+        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.eval_num_samples 8` would silently
+        evaluate with the training run's settings. How to evaluate belongs to this run: those keys keep its values.
+        """
+        subcommand = self.config.get("subcommand")
+        model = self.config[subcommand]["model"] if subcommand else {}
+        keep = {key: model[key] for key in EVALUATION_KEYS if key in model}
+        super()._parse_ckpt_path()
+        for key, value in keep.items():
+            self.config[subcommand]["model"][key] = value
+
     def add_arguments_to_parser(self, parser) -> None:
         # the tiny model's tokenizer is built from the same corpus and template the data uses
         parser.link_arguments("data.corpus", "model.corpus")
         parser.link_arguments("data.template", "model.template")
+        parser.link_arguments("data.sft_steps", "model.sft_steps")  # the data schedules phases, the model their LR
+        # always on: the per-length report after validate / test, and predictions as JSON lines after predict
+        parser.add_lightning_class_args(EvaluationReport, "eval_report")
+        parser.add_lightning_class_args(PredictionWriter, "predictions")
 
 
 def main(args: list[str] | None = None) -> InterleaveCLI:
@@ -22,6 +77,7 @@ def main(args: list[str] | None = None) -> InterleaveCLI:
     return InterleaveCLI(
         InterleaveGRPO,
         InterleaveDataModule,
+        trainer_class=InterleaveTrainer,
         args=args,
         save_config_kwargs={"overwrite": True},
     )

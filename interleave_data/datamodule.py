@@ -89,6 +89,7 @@ class InterleaveDataModule(LightningDataModule):
         self._check_args()
         self.tokenizer = None  # assigned by the LightningModule in its setup(), before any batch is collated
         self.stage_index = 0
+        self._moves: list[tuple[int, int]] = []  # (from_batch, stage_index), pending moves, in order
         self._pools: dict[tuple[int, str], list[Example]] = {}
 
     def _check_args(self) -> None:
@@ -115,17 +116,34 @@ class InterleaveDataModule(LightningDataModule):
         """Words per fragment at the current stage."""
         return self.stages[self.stage_index]
 
-    def set_stage(self, index: int) -> None:
-        """Moves training to stage ``index``; the next batch drawn comes from it."""
+    def set_stage(self, index: int, from_batch: int | None = None) -> None:
+        """Moves training to stage ``index``.
+
+        Args:
+            index: The stage to train at.
+            from_batch: First training batch (stream index ``k``) drawn at the new stage; None means the next batch
+                drawn. Under a Trainer, pass the number of batches run plus one: Lightning has already fetched the
+                next batch, and a run resumed from a checkpoint saved now must draw that batch at the old stage too.
+        """
         if not 0 <= index < len(self.stages):
             raise ValueError(f"stage index must be in [0, {len(self.stages) - 1}], got {index}")
-        self.stage_index = index
+        if from_batch is None:
+            self.stage_index, self._moves = index, []
+        else:
+            self._moves = [m for m in self._moves if m[0] < from_batch] + [(from_batch, index)]
+
+    def _apply_moves(self, k: int) -> None:
+        while self._moves and self._moves[0][0] <= k:
+            self.stage_index = self._moves.pop(0)[1]
 
     def state_dict(self) -> dict:
-        return {"stage_index": self.stage_index}
+        # pending moves only when there are some, so a plain stage switch keeps its one-key state
+        return {"stage_index": self.stage_index} | ({"moves": [list(m) for m in self._moves]} if self._moves else {})
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.set_stage(state_dict["stage_index"])
+        for from_batch, index in state_dict.get("moves", []):
+            self.set_stage(index, from_batch)
 
     def _lengths(self) -> dict[str, list[int]]:
         """``split -> lengths`` this module serves; splits asked for zero pairs are left out."""
@@ -180,6 +198,7 @@ class InterleaveDataModule(LightningDataModule):
         Returns:
             ``(phase, examples)`` with phase "sft" for ``k < sft_steps``, else "grpo".
         """
+        self._apply_moves(k)
         rng = random.Random(f"{self.seed}:train:{k}:{rank}")
         if k < self.sft_steps:
             return "sft", _sample(rng, self._train_pool(self.stage_words, "sft"), self.sft_batch_size)
@@ -189,6 +208,15 @@ class InterleaveDataModule(LightningDataModule):
         earlier = self.stages[: self.stage_index]
         batch += [rng.choice(self._train_pool(rng.choice(earlier), "grpo")) for _ in range(n_replay)]
         return "grpo", batch
+
+    def sample_refill(self, k: int, round_: int, n: int, n_words: int, rank: int = 0) -> dict:
+        """``n`` extra GRPO prompts of ``n_words`` words for refill round ``round_`` of batch ``k`` (dynamic sampling).
+
+        They come from the GRPO half of that stage's training pairs through their own seeded stream, so a resumed
+        run draws the same refills, and are collated like a training batch.
+        """
+        rng = random.Random(f"{self.seed}:refill:{k}:{round_}:{rank}")
+        return self.collate(_sample(rng, self._train_pool(n_words, "grpo"), n), "grpo")
 
     def collate(self, examples: Sequence[Example], phase: str) -> dict:
         """Formats and tokenizes prompts, left-padded for generation; targets stay strings for the reward.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import time
 from collections.abc import Iterator
 from typing import NamedTuple
@@ -17,6 +18,9 @@ from interleave_data.corpus import load_corpus
 from interleave_data.prompts import format_prompt
 from interleave_model import grpo
 from interleave_model.alignment import align
+from interleave_model.checkpoint import load_initial_weights
+from interleave_model.dynamic_sampling import DynamicSampling, refill
+from interleave_model.evaluation import SampledAnswers, length_row, resolve_pass_k
 from interleave_model.metric import AlignmentScore
 from interleave_model.policy import (
     TINY,
@@ -34,6 +38,10 @@ from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
 
 
+# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
+torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling])
+
+
 class Trajectory(NamedTuple):
     """Everything the update needs from one rollout, group-major over P prompts x G completions."""
 
@@ -46,6 +54,20 @@ class Trajectory(NamedTuple):
     rewards: Tensor  # [P*G]
     advantages: Tensor  # [P*G]
     rollout: Rollout
+
+
+class StepRecord(NamedTuple):
+    """What a GRPO step hands to callbacks, as `outputs["record"]` of `on_train_batch_end`; group-major.
+
+    Describes the batch as drawn, before any dynamic-sampling refill, so callbacks see collapse as it happens.
+    """
+
+    prompts: list[str]  # [P]
+    targets: list[str]  # [P]
+    n_words: list[int]  # [P]
+    completions: list[str]  # [P*G]
+    rewards: Tensor  # [P*G]
+    num_generations: int
 
 
 class InterleaveGRPO(L.LightningModule):
@@ -81,9 +103,19 @@ class InterleaveGRPO(L.LightningModule):
         sft_learning_rate: Peak learning rate of the supervised warm-start phase.
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps.
-        lr_schedule: "cosine" (to 10% at trainer.max_steps) or "constant".
+        lr_schedule: Schedule of the GRPO phase after warm-up: "cosine" (to 10% at trainer.max_steps) or "constant".
+            The SFT phase always decays by a cosine over its own `sft_steps`.
+        sft_steps: Supervised warm-start steps before GRPO (linked from `data.sft_steps`, which schedules the data).
         max_grad_norm: Gradient clipping norm; 0 disables.
         micro_batch_size: Rows per forward in the update (gradient accumulation inside a step); None = all rows.
+        dynamic_sampling: Drop zero-variance groups and refill from extra prompts (DAPO); None (default) = off.
+        init_from: Start from the weights of an earlier run: its `.ckpt`, or a stage folder it exported
+            (`<run>/stages/<N>words`, a full model or a LoRA adapter). Optimizer and curriculum start afresh.
+        eval_num_samples: Answers sampled per prompt in validation / test for pass@k and diversity (n); 0 = greedy
+            only. Sampled with `eval_temperature`, `top_p` and `top_k`, seeded by `seed`, the length and the batch.
+        eval_temperature: Sampling temperature of those answers.
+        pass_k: The k of each pass@k reported, each <= eval_num_samples; None means [1, eval_num_samples].
+        pass_threshold: Alignment score a sampled answer needs to count as correct for pass@k; 1.0 = exact match.
     """
 
     def __init__(
@@ -118,24 +150,39 @@ class InterleaveGRPO(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         lr_schedule: str = "cosine",
+        sft_steps: int = 0,
         max_grad_norm: float = 1.0,
         micro_batch_size: int | None = None,
+        dynamic_sampling: DynamicSampling | None = None,
+        init_from: str | None = None,
+        eval_num_samples: int = 0,
+        eval_temperature: float = 1.0,
+        pass_k: list[int] | None = None,
+        pass_threshold: float = 1.0,
     ) -> None:
         super().__init__()
         if num_generations < 2:
             raise ValueError(f"model.num_generations must be >= 2 for group-relative advantages, got {num_generations}")
+        self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
         self.save_hyperparameters(ignore=["rewards"])
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
-        self.policy, self.tokenizer = self._load_policy(tiny or TinyModelConfig())
+        # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
+        tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
+        lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
+        self.policy, self.tokenizer = self._load_policy(tiny)
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
+        if init_from is not None:
+            load_initial_weights(self.policy, init_from)
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.policy.enable_input_require_grads()
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
-        self.metrics = torch.nn.ModuleDict()
+        self.metrics = torch.nn.ModuleDict()  # length -> AlignmentScore of greedy answers
+        self.sample_metrics = torch.nn.ModuleDict()  # length -> SampledAnswers (when eval_num_samples > 0)
+        self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
 
@@ -158,21 +205,29 @@ class InterleaveGRPO(L.LightningModule):
         params = [p for p in self.policy.parameters() if p.requires_grad]
         return torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
 
-    def training_step(self, batch: dict, batch_idx: int) -> None:
+    def training_step(self, batch: dict, batch_idx: int) -> dict:
+        record = None
         if batch["phase"] == "sft":
             stats = self.sft_step(batch)
         else:
             trajectory, stats = self.generate_trajectory(batch)
+            roll, G = trajectory.rollout, self.hparams.num_generations
+            record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
+            if self.hparams.dynamic_sampling is not None:
+                trajectory, counts = refill(self, batch, trajectory)
+                stats |= counts
             for _ in range(self.hparams.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
-        self.log("stage", float(batch["n_words"][-1]), prog_bar=True, batch_size=1)
+        # replayed rows come last in a batch; its stage is its longest length
+        self.log("stage", float(max(batch["n_words"])), prog_bar=True, batch_size=1)
+        return {"record": record}
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch)
+        self._evaluate(batch, batch_idx)
 
     def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch)
+        self._evaluate(batch, batch_idx)
 
     def on_validation_epoch_end(self) -> None:
         self._log_metrics("val")
@@ -181,23 +236,35 @@ class InterleaveGRPO(L.LightningModule):
         self._log_metrics("test")
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
-        texts = self.greedy(batch)
+        """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
+        groups = self._sampled(batch, batch_idx) if self.hparams.eval_num_samples else None
         records = []
-        for i, text in enumerate(texts):
-            diagnostics = align(text, batch["targets"][i])
-            records.append(
-                {
-                    "id": batch["ids"][i],
-                    "n_words": batch["n_words"][i],
-                    "prompt": batch["prompts"][i],
-                    "target": batch["targets"][i],
-                    "completion": text,
-                    "score": diagnostics.score,
-                    "first_error": diagnostics.first_error,
-                    "a_accuracy": diagnostics.a_accuracy,
-                    "b_accuracy": diagnostics.b_accuracy,
-                }
-            )
+        for i, text in enumerate(self.greedy(batch)):
+            target = batch["targets"][i]
+            diagnostics = align(text, target)
+            record = {
+                "id": batch["ids"][i],
+                "n_words": batch["n_words"][i],
+                "prompt": batch["prompts"][i],
+                "target": target,
+                "completion": text,
+                "score": diagnostics.score,
+                "exact_match": diagnostics.distance == 0,
+                "distance": diagnostics.distance,
+                "first_error": diagnostics.first_error,
+                "relative_first_error": diagnostics.relative_first_error,
+                "a_accuracy": diagnostics.a_accuracy,
+                "b_accuracy": diagnostics.b_accuracy,
+                "substitutions": diagnostics.substitutions,
+                "insertions": diagnostics.insertions,
+                "deletions": diagnostics.deletions,
+                "n_pred": diagnostics.n_pred,
+                "n_target": diagnostics.n_target,
+            }
+            if groups is not None:
+                record["samples"] = groups[i]
+                record["sample_scores"] = [align(answer, target).score for answer in groups[i]]
+            records.append(record)
         return records
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -240,8 +307,10 @@ class InterleaveGRPO(L.LightningModule):
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
         attention_mask = torch.cat([roll.prompt_mask, roll.completion_mask], dim=1)  # [P*G, Lp+C]
         with torch.no_grad():
-            old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
-            old = old if hp.num_iterations > 1 else None
+            # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
+            old = None
+            if hp.num_iterations > 1:
+                old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
             ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if hp.beta > 0 else None
         trajectory = Trajectory(
             input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
@@ -273,8 +342,9 @@ class InterleaveGRPO(L.LightningModule):
         optimizer.zero_grad()
         for rows in self._row_chunks(n_rows):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
-            logits = self._completion_logits(self.policy, ids, attention, width)  # [n, C, V]
-            logprobs = grpo.token_logprobs(logits, trajectory.completion_ids[rows], hp.temperature)  # [n, C]
+            logprobs, entropy = self._completion_logprobs(
+                self.policy, ids, attention, trajectory.completion_ids[rows], with_entropy=True
+            )  # [n, C] each
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
             out = grpo.policy_loss(
@@ -287,13 +357,12 @@ class InterleaveGRPO(L.LightningModule):
             token_share = (mask[rows].sum() / total_tokens).item()
             share = token_share if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
             self.manual_backward(out.loss * share)
-            with torch.no_grad():
-                entropy = grpo.masked_mean(grpo.token_entropy(logits.detach(), hp.temperature), mask[rows])
+            entropy = grpo.masked_mean(entropy, mask[rows])
             totals["loss"] += out.loss.item() * share
             totals["pg_loss"] += out.pg_loss.item() * share
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
-        self._step_optimizer(totals["loss"], self.hparams.learning_rate)
+        self._step_optimizer(totals["loss"], "grpo")
         stats = {f"train/{k}": v for k, v in totals.items()}
         stats["time/update_s"] = time.perf_counter() - started
         return stats
@@ -307,7 +376,7 @@ class InterleaveGRPO(L.LightningModule):
         logits = self._completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
         loss = grpo.sft_loss(logits, labels)
         self.manual_backward(loss)
-        self._step_optimizer(loss.item(), self.hparams.sft_learning_rate)
+        self._step_optimizer(loss.item(), "sft")
         return {"train/sft_loss": loss.item(), "time/update_s": time.perf_counter() - started}
 
     # ---------------------------------------------------------------- pieces
@@ -318,16 +387,64 @@ class InterleaveGRPO(L.LightningModule):
         kwargs = {"num_generations": 1, "max_new_tokens": budget, "temperature": 0.0}
         return rollout(self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], **kwargs).texts
 
-    def _evaluate(self, batch: dict) -> None:
+    def _evaluate(self, batch: dict, batch_idx: int) -> None:
+        """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""
         length = str(batch["n_words"][0])
         if length not in self.metrics:
             self.metrics[length] = AlignmentScore().to(self.device)
         self.metrics[length].update(self.greedy(batch), batch["targets"])
+        if self.hparams.eval_num_samples:
+            if length not in self.sample_metrics:
+                metric = SampledAnswers(self.pass_k, threshold=self.hparams.pass_threshold)
+                self.sample_metrics[length] = metric.to(self.device)
+            self.sample_metrics[length].update(self._sampled(batch, batch_idx), batch["targets"])
+
+    def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
+        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own.
+
+        The seed depends on the run's seed, the length, the batch and the rank only, so evaluation draws the same
+        answers whenever it runs and never moves the training sampler's stream.
+        """
+        hp = self.hparams
+        n = hp.eval_num_samples
+        seed = random.Random(f"{hp.seed}:eval:{batch['n_words'][0]}:{batch_idx}:{self.global_rank}").getrandbits(63)
+        texts = rollout(
+            self.policy,
+            self.tokenizer,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            num_generations=n,
+            max_new_tokens=self._budget(batch["targets"]),
+            temperature=hp.eval_temperature,
+            top_p=hp.top_p,
+            top_k=hp.top_k,
+            generator=torch.Generator(device=self.device).manual_seed(seed),
+        ).texts
+        return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
-        for length, metric in self.metrics.items():
-            self.log(f"{prefix}/alignment_{length}w", metric.compute(), batch_size=1)
-            metric.reset()
+        """Log every measure per length as `{prefix}/{name}_{n}w` and keep the table in `eval_results`.
+
+        Every rank runs this: the pair counts are reduced and the metrics synced, so all ranks log the same values.
+        """
+        rows = []
+        for length in sorted(self.metrics, key=int):
+            greedy = self.metrics[length]
+            pairs = int(self.trainer.strategy.reduce(greedy.pairs.clone(), reduce_op="sum").item())
+            sampled = self.sample_metrics[length] if length in self.sample_metrics else None
+            if pairs:
+                values = sampled.compute_all() if sampled is not None else None
+                rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
+            greedy.reset()
+            if sampled is not None:
+                sampled.reset()
+        for row in rows:
+            for name, value in row.items():
+                if name not in ("n_words", "pairs") and not math.isnan(value):
+                    name = "alignment" if name == "score" else name
+                    # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
+                    self.log(f"{prefix}/{name}_{row['n_words']}w", value, batch_size=1, sync_dist=True)
+        self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _budget(self, targets: list[str]) -> int:
         """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
@@ -363,15 +480,65 @@ class InterleaveGRPO(L.LightningModule):
         """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
         out = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, logits_to_keep=width + 1
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            logits_to_keep=width + 1,
+            use_cache=False,  # else the forward keeps a copy of every layer's keys and values
         )
         return out.logits[:, :-1]  # position t predicts token t+1, so drop the last
+
+    def _completion_logprobs(
+        self,
+        model: torch.nn.Module,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        completion_ids: Tensor,
+        with_entropy: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Log-probs of the completion (the last C tokens of each row) and, when asked, the entropies: [N, C] each.
+
+        Through the fused LM head (`grpo.head_token_logprobs`) when the model has a plain one: only the completion
+        tokens go through the head, and no [N, C, V] logits (nor their gradient) are ever held; positions past the
+        completion mask get 0. Otherwise from the model's logits.
+        """
+        temperature, width = self.hparams.temperature, completion_ids.shape[1]
+        head = self._fused_head(model)
+        if head is None:
+            logits = self._completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
+            entropy = grpo.token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
+            return grpo.token_logprobs(logits, completion_ids, temperature), entropy
+        decoder, weight = head
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).last_hidden_state  # [N, L, H]
+        keep = attention_mask[:, -width:].bool()  # [N, C], the completion mask
+        scored = hidden[:, -width - 1 : -1][keep]  # [K, H]: position t predicts token t+1
+        logprobs, entropy = grpo.head_token_logprobs(
+            scored, weight, completion_ids[keep], temperature, with_entropy=with_entropy
+        )  # [K] each
+        logprobs = torch.zeros_like(keep, dtype=logprobs.dtype).masked_scatter(keep, logprobs)  # [N, C]
+        if entropy is not None:
+            entropy = torch.zeros_like(keep, dtype=entropy.dtype).masked_scatter(keep, entropy)  # [N, C]
+        return logprobs, entropy
+
+    @staticmethod
+    def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
+        """(decoder, LM-head weight) of a model whose logits are exactly `decoder(...) @ weight.T`, else None."""
+        config = getattr(model, "config", None)
+        if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+            return None  # other families may cap, scale or bias their logits
+        head = model.get_output_embeddings()
+        if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:
+            return None  # an adapter on the head, or a sharded (DTensor) weight
+        return model.get_decoder(), head.weight
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         chunks = []
         for rows in self._row_chunks(input_ids.shape[0]):
-            logits = self._completion_logits(model, input_ids[rows], attention_mask[rows], completion_ids.shape[1])
-            chunks.append(grpo.token_logprobs(logits, completion_ids[rows], self.hparams.temperature))
+            ids, attention = input_ids[rows], attention_mask[rows]
+            chunks.append(self._completion_logprobs(model, ids, attention, completion_ids[rows])[0])
         return torch.cat(chunks)  # [N, C]
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
@@ -394,22 +561,32 @@ class InterleaveGRPO(L.LightningModule):
         size = self.hparams.micro_batch_size or n_rows
         return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
-    def _step_optimizer(self, loss: float, base_lr: float) -> None:
+    def _step_optimizer(self, loss: float, phase: str) -> None:
         """Clip, set the scheduled rate and step, unless the loss is not finite (then skip, count and log)."""
         optimizer = self.optimizers()
         if not math.isfinite(loss):
+            # Drop the gradients and still step: AdamW skips parameters without a grad, so neither the weights nor
+            # the optimizer state move, while the step is counted (max_steps and the LR schedule stay on time).
             self.skipped_steps += 1
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
             self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
             return
         if self.hparams.max_grad_norm:
             self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
-        hp = self.hparams
-        lr = base_lr * lr_factor(self.global_step, hp.warmup_steps, self.trainer.max_steps, hp.lr_schedule)
+        lr = self._learning_rate(phase)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         self.log("train/lr", lr, batch_size=1)
+
+    def _learning_rate(self, phase: str) -> float:
+        """Each phase has its own schedule: SFT decays over its steps, GRPO warms up again from where SFT ended."""
+        hp = self.hparams
+        if phase == "sft":
+            return hp.sft_learning_rate * lr_factor(self.global_step, hp.warmup_steps, hp.sft_steps, "cosine")
+        step, total = self.global_step - hp.sft_steps, self.trainer.max_steps - hp.sft_steps
+        return hp.learning_rate * lr_factor(max(step, 0), hp.warmup_steps, total, hp.lr_schedule)
 
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:

@@ -35,6 +35,9 @@ class TinyModelConfig:
         max_position_embeddings: Longest prompt + answer, in tokens (500-word stages need about 2,100).
         freeze_embeddings: Keep the tied embeddings at their random init. Measured: trainable embeddings never
             learn to copy words unseen in training (held-out plateau 0.83); frozen random ones do (0.97).
+        embedding_std: Standard deviation of the (tied) embeddings' random init. As output rows they set how sharp
+            the softmax can get: at 0.02 (the Llama default) supervised training plateaued near 0.92 held-out at
+            10 words; at 0.1 the same run reached 0.98.
     """
 
     hidden_size: int = 128
@@ -43,6 +46,7 @@ class TinyModelConfig:
     intermediate_size: int = 256
     max_position_embeddings: int = 4096
     freeze_embeddings: bool = True
+    embedding_std: float = 0.1
 
 
 @dataclass
@@ -94,6 +98,7 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
     )
     with _seeded(seed):
         model = LlamaForCausalLM(llama)
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=config.embedding_std)
     if config.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
     return model

@@ -9,6 +9,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+_BLOCK = 256  # tokens per block of the sampler's two-level CDF
 
 
 class Rollout(NamedTuple):
@@ -61,7 +64,8 @@ def sample(
     try:
         G = num_generations
         positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [P, Lp]
-        cache = DynamicCache()
+        prompt_length = prompt_ids.shape[1]
+        cache = _rollout_cache(model, capacity=prompt_length + max_new_tokens)
         out = model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -73,22 +77,23 @@ def sample(
         if G > 1:
             cache.batch_repeat_interleave(G)
         logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [P*G, V]
-        attention = prompt_mask.repeat_interleave(G, dim=0)  # [P*G, Lp]
+        # one mask for the whole rollout, each step passes a longer view of it (no per-step concatenation)
+        attention = prompt_mask.new_ones(logits.shape[0], prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
+        attention[:, :prompt_length] = prompt_mask.repeat_interleave(G, dim=0)
         position = positions[:, -1:].repeat_interleave(G, dim=0)  # [P*G, 1]
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)  # [P*G]
         tokens: list[Tensor] = []
-        for _ in range(max_new_tokens):
+        for step in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, top_k, generator)  # [P*G]
             token = torch.where(finished, torch.full_like(token, pad_token_id), token)
             tokens.append(token)
             finished |= token == eos_token_id
             if bool(finished.all()):
                 break
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
             position = position + 1
             out = model(
                 input_ids=token[:, None],
-                attention_mask=attention,
+                attention_mask=attention[:, : prompt_length + step + 1],
                 position_ids=position,
                 past_key_values=cache,
                 use_cache=True,
@@ -99,6 +104,58 @@ def sample(
         return completion_ids, completion_mask, ~finished
     finally:
         model.train(was_training)
+
+
+class _GrowInPlaceLayer(DynamicLayer):
+    """A `DynamicLayer` that appends into a buffer sized for the whole rollout instead of concatenating.
+
+    `DynamicLayer.update` concatenates, so every decode step copies the whole cache and a rollout's copying grows with
+    the square of its length (the largest cost of long rollouts after the model itself); here a step writes one
+    position. The prefill is kept as computed (it is still to be repeated across the group); the buffer is made at
+    the first decode step. `keys` / `values` are views of its filled part.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+        self._buffers: tuple[Tensor, Tensor] | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        end = start + key_states.shape[-2]
+        if start == 0:
+            self.keys, self.values = key_states, value_states
+            return self.keys, self.values
+        buffers = self._buffers
+        # a new buffer unless the cache is already a view of this one (after the prefill, a repeat or a reselection
+        # of rows it is not) with room for the new positions
+        if buffers is None or self.keys.data_ptr() != buffers[0].data_ptr() or end > buffers[0].shape[-2]:
+            buffers = tuple(self._allocate(x, new, max(self.capacity, end))
+                            for x, new in ((self.keys, key_states), (self.values, value_states)))  # fmt: skip
+            self._buffers = buffers
+        buffers[0][:, :, start:end] = key_states
+        buffers[1][:, :, start:end] = value_states
+        self.keys, self.values = buffers[0][:, :, :end], buffers[1][:, :, :end]  # [B, H, end, D] each
+        return self.keys, self.values
+
+    @staticmethod
+    def _allocate(cached: Tensor, new: Tensor, capacity: int) -> Tensor:
+        """A [B, H, capacity, D] buffer holding `cached` at its start."""
+        buffer = new.new_empty(*new.shape[:2], capacity, new.shape[-1])
+        buffer[:, :, : cached.shape[-2]] = cached
+        return buffer
+
+
+def _rollout_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
+    """A KV cache for one rollout: in-place layers of `capacity` positions when every layer is a plain full-attention
+    one (sliding-window and other special layers keep their own class)."""
+    config = getattr(model, "config", None)
+    cache = DynamicCache(config=config) if config is not None else DynamicCache()
+    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+        cache.layers = [_GrowInPlaceLayer(capacity) for _ in cache.layers]
+    return cache
 
 
 def rollout(model: torch.nn.Module, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, **kwargs) -> Rollout:
@@ -127,7 +184,9 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, generato
     """Next token per row from `logits` [N, V]: argmax at temperature 0, else a sample after top-k / top-p."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / temperature  # [N, V]
+    logits = logits.float()  # [N, V]
+    if temperature != 1.0:
+        logits = logits / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
         logits = logits.masked_fill(logits < kth, -math.inf)
@@ -137,7 +196,36 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, generato
         # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
         drop = (probs.cumsum(-1) - probs) > top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
+    # unnormalised probabilities are enough: _draw scales its uniform number by their total
+    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), generator)
+
+
+def _draw(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """One token per row, with probability proportional to `weights` [N, V] (>= 0), by inverting the CDF.
+
+    `torch.multinomial` draws an exponential number for every vocabulary entry, which made it the largest single cost
+    of a CPU rollout (about 10x this). Here one uniform number per row picks a block of `_BLOCK` tokens on the float64
+    CDF of the block sums, then a token on that block's own float64 CDF. Rounding can shift a block's mass by about
+    1e-7 of itself, never a fixed amount, so the rare tail of a 128k vocabulary keeps its probabilities (a float32 CDF
+    over the whole vocabulary would round every tail token to a multiple of 6e-8). The number stays strictly below
+    each total, so a token of zero weight (cut by top-k or top-p) is never drawn.
+    """
+    n, vocab = weights.shape
+    full = vocab - vocab % _BLOCK
+    sums = weights[:, :full].reshape(n, -1, _BLOCK).sum(-1)  # [N, K]
+    if full < vocab:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)  # the last, partial block
+    block_cdf = sums.double().cumsum(-1)  # [N, K]
+    total = block_cdf[:, -1:]  # [N, 1]
+    u = torch.rand((n, 1), generator=generator, dtype=torch.float64, device=weights.device) * total  # [N, 1]
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(u)))
+    block = torch.searchsorted(block_cdf, u, right=True)  # [N, 1], the first block whose CDF exceeds u
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [N, 1]
+    columns = block * _BLOCK + torch.arange(_BLOCK, device=weights.device)  # [N, B]
+    inside = weights.gather(-1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0)  # [N, B]
+    within = inside.double().cumsum(-1)  # [N, B]
+    rest = torch.minimum(u - before, torch.nextafter(within[:, -1:], torch.zeros_like(u)))  # [N, 1]
+    return block[:, 0] * _BLOCK + torch.searchsorted(within, rest, right=True)[:, 0]  # [N]
 
 
 def _mask_through_eos(completion_ids: Tensor, eos_token_id: int) -> Tensor:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -14,6 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 TINY_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run faster on one thread, and many times faster on a CPU shared with other jobs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

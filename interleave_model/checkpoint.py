@@ -1,0 +1,104 @@
+"""Checkpoint files: atomic writes, and the weights of an earlier run for `init_from`.
+
+A checkpoint is written next to its final name and renamed into place, so a run killed at any moment (SIGKILL
+included) leaves either the previous complete file or the new complete file, never a torn one.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+from interleave_model.policy import PolicyError, is_peft
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` that writes `.<name>.tmp` in the target folder, fsyncs it, then renames it over the target.
+
+    Use it in a config as `trainer.plugins: [{class_path: interleave_model.checkpoint.AtomicCheckpointIO}]`.
+    Remote paths (`s3://`, ...) keep Lightning's own write.
+    """
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | Path, storage_options: Any | None = None) -> None:
+        if "://" in str(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        atomic_torch_save(checkpoint, Path(path))
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """`torch.save(obj, path)` through a temporary file in the same folder and an atomic rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(path.parent)
+
+
+def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
+    """Load the weights of an earlier run into `policy` in place (the `--model.init_from` of a new run).
+
+    Args:
+        policy: The freshly built policy, LoRA-wrapped or not.
+        path: A Lightning `.ckpt` of this module (its `policy.*` weights), a stage folder holding a full model
+            (`config.json`), or a stage folder holding a LoRA adapter (`adapter_config.json`, needs `model.lora`).
+
+    Raises:
+        PolicyError: When the path is missing or its weights do not fit the policy.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise PolicyError(f"model.init_from: {path} does not exist")
+    if path.is_file():
+        state = torch.load(path, map_location="cpu", weights_only=False)["state_dict"]
+        weights = {k.removeprefix("policy."): v for k, v in state.items() if k.startswith("policy.")}
+        _load(policy, weights, path)
+    elif (path / "adapter_config.json").exists():
+        if not is_peft(policy):
+            raise PolicyError(f"model.init_from: {path} holds a LoRA adapter; set model.lora to continue training it")
+        from peft import load_peft_weights, set_peft_model_state_dict
+
+        result = set_peft_model_state_dict(policy, load_peft_weights(str(path)))
+        if result.unexpected_keys:
+            raise PolicyError(f"model.init_from: {path} does not fit the adapter: {result.unexpected_keys[:3]} ...")
+    elif (path / "config.json").exists():
+        base = policy.get_base_model() if is_peft(policy) else policy
+        loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
+        _load(base, loaded.state_dict(), path)
+    else:
+        raise PolicyError(f"model.init_from: {path} is neither a .ckpt file nor a saved model or adapter folder")
+
+
+def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as err:
+        raise PolicyError(f"model.init_from: weights in {source} do not fit this model: {err}") from err
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

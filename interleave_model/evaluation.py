@@ -1,0 +1,164 @@
+"""Evaluation beyond the greedy score: pass@k, diversity of sampled answers, and the per-length table.
+
+Pure functions (`pass_at_k`, `distinct_answers`, `self_similarity`, `length_row`) and `SampledAnswers`, a
+torchmetrics Metric whose states are sums, so that under DDP every rank computes the same values.
+
+A sample is *correct* when its alignment score reaches `threshold`; the default 1.0 is exact match (the same words
+in the same order, whitespace aside). pass@k is the unbiased estimator of Chen et al. (2021, "Evaluating Large
+Language Models Trained on Code"): from n >= k samples of which c are correct,
+``pass@k = 1 - C(n - c, k) / C(n, k)``, the chance that k samples drawn without replacement hold a correct one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from itertools import combinations
+from typing import Any
+
+import torch
+from torch import Tensor
+from torchmetrics import Metric
+
+from interleave_model.alignment import score, words
+
+GREEDY_KEYS = (
+    "score",
+    "exact_match",
+    "first_error",
+    "a_accuracy",
+    "b_accuracy",
+    "substitutions",
+    "insertions",
+    "deletions",
+)
+"""Values of `AlignmentScore.compute_all()` that go into a row of the report."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from `n` samples of which `c` are correct: ``1 - C(n - c, k) / C(n, k)``.
+
+    Computed as ``1 - prod_{i = n - c + 1}^{n} (1 - k / i)``, which avoids huge binomials.
+
+    Raises:
+        ValueError: Unless ``0 <= c <= n`` and ``1 <= k <= n``.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every draw of k samples holds a correct one
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
+    """The sorted k values of pass@k for `num_samples` answers per prompt; None means ``[1, num_samples]``.
+
+    Raises:
+        ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
+    """
+    if num_samples < 0:
+        raise ValueError(f"model.eval_num_samples must be >= 0, got {num_samples}")
+    if num_samples == 0:
+        return []
+    ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
+    if not ks or ks[0] < 1 or ks[-1] > num_samples:
+        raise ValueError(f"model.pass_k must be in [1, eval_num_samples={num_samples}], got {ks}")
+    return ks
+
+
+def distinct_answers(answers: Sequence[str]) -> int:
+    """Number of different answers, comparing word sequences (so whitespace differences do not count)."""
+    return len({tuple(words(a)) for a in answers})
+
+
+def self_similarity(answers: Sequence[str]) -> float:
+    """Mean alignment score over all pairs of answers: 1.0 when they are all the same, NaN for fewer than two.
+
+    Identical answers are scored once per distinct pair of different answers, so a collapsed group of 16 copies
+    costs nothing.
+    """
+    n = len(answers)
+    if n < 2:
+        return math.nan
+    counts = Counter(" ".join(words(a)) for a in answers)
+    total = sum(c * (c - 1) / 2 for c in counts.values())  # identical pairs score 1.0
+    for (x, cx), (y, cy) in combinations(counts.items(), 2):
+        total += cx * cy * score(x, y)
+    return total / (n * (n - 1) / 2)
+
+
+class SampledAnswers(Metric):
+    """pass@k, mean sampled score and diversity of groups of sampled answers, summed across DDP ranks.
+
+    `compute_all()` gives, averaged over prompts:
+
+    - ``pass@k`` for each k in `ks`: the unbiased estimator from the group's n samples.
+    - ``sample_score``: mean alignment score of the samples.
+    - ``distinct``: number of different answers in a group (1 = collapsed, n = all different).
+    - ``self_similarity``: mean pairwise alignment score among a group's samples (1.0 = all the same).
+
+    Args:
+        ks: The k of each pass@k; each must be at most the group size passed to `update`.
+        threshold: Alignment score a sample needs to count as correct; 1.0 means exact match.
+        kwargs: Passed to `torchmetrics.Metric`.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    def __init__(self, ks: Sequence[int] = (1,), threshold: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        if not ks or min(ks) < 1:
+            raise ValueError(f"pass@k needs k >= 1, got {list(ks)}")
+        self.ks = sorted(set(ks))
+        self.threshold = threshold
+        zero = torch.zeros((), dtype=torch.float64)
+        for name in ("prompts", "score_sum", "distinct_sum", "similarity_sum", "similarity_prompts"):
+            self.add_state(name, default=zero.clone(), dist_reduce_fx="sum")
+        self.add_state("pass_sum", default=torch.zeros(len(self.ks), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, groups: Sequence[Sequence[str]], targets: Sequence[str]) -> None:
+        """Score each group of samples against its target and add the results to the sums.
+
+        Raises:
+            ValueError: If `groups` and `targets` differ in length, or a group is smaller than the largest k.
+        """
+        if len(groups) != len(targets):
+            raise ValueError(f"{len(groups)} groups of samples for {len(targets)} targets")
+        passes = torch.zeros(len(self.ks), dtype=torch.float64)
+        for group, target in zip(groups, targets, strict=True):
+            scores = [score(answer, target) for answer in group]
+            correct = sum(s >= self.threshold for s in scores)
+            passes += torch.tensor([pass_at_k(len(group), correct, k) for k in self.ks], dtype=torch.float64)
+            self.score_sum += sum(scores) / len(scores)
+            self.distinct_sum += distinct_answers(group)
+            if len(group) > 1:
+                self.similarity_sum += self_similarity(group)
+                self.similarity_prompts += 1
+        self.prompts += len(groups)
+        self.pass_sum += passes.to(self.pass_sum.device)
+
+    def compute(self) -> Tensor:
+        """pass@k for the largest k."""
+        return self.pass_sum[-1] / self.prompts
+
+    def compute_all(self) -> dict[str, Tensor]:
+        """Every value listed in the class docstring, from the states summed across processes (NaN without data)."""
+        with self.sync_context(dist_sync_fn=self.dist_sync_fn, should_sync=self.sync_on_compute):
+            values = {f"pass@{k}": self.pass_sum[i] / self.prompts for i, k in enumerate(self.ks)}
+            values["sample_score"] = self.score_sum / self.prompts
+            values["distinct"] = self.distinct_sum / self.prompts
+            values["self_similarity"] = self.similarity_sum / self.similarity_prompts
+            return {name: value.clone() for name, value in values.items()}
+
+
+def length_row(
+    n_words: int, pairs: int, greedy: Mapping[str, Tensor | float], sampled: Mapping[str, Tensor | float] | None
+) -> dict[str, float | int]:
+    """One row of the report: the length, its pair count and every measure as a plain float (NaN stays NaN)."""
+    row: dict[str, float | int] = {"n_words": n_words, "pairs": pairs}
+    row |= {key: float(greedy[key]) for key in GREEDY_KEYS}
+    row |= {key: float(value) for key, value in (sampled or {}).items()}
+    return row

@@ -1,0 +1,81 @@
+"""Turn a training checkpoint into a folder that `from_pretrained` loads: a HF model, or a peft adapter under LoRA.
+
+```
+python cli.py export --config configs/demo.yaml --ckpt_path lightning_logs/demo/version_0/checkpoints/last.ckpt \
+    --output_dir exported/demo [--merge_lora true]
+```
+
+The config rebuilds the module (the same model, tiny shape, LoRA settings and corpus as in training), the checkpoint
+fills its weights, and the policy is saved with its tokenizer:
+
+- without LoRA: a model folder, ``AutoModelForCausalLM.from_pretrained(output_dir)``;
+- with LoRA: an adapter folder, ``AutoPeftModelForCausalLM.from_pretrained(output_dir)`` (the adapter config names
+  the base model's path; the embedded tiny model has none, so its base is saved in ``output_dir/base_model`` and
+  named by absolute path); ``merge_lora`` saves the merged weights as a plain model folder instead.
+
+``export.json`` records the checkpoint and the step it came from.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+
+from interleave_model.policy import TINY, is_peft
+
+BASE_MODEL_DIR = "base_model"
+
+
+def load_weights(module: torch.nn.Module, ckpt_path: str | os.PathLike) -> dict:
+    """Load a Lightning checkpoint's weights into `module` (strictly); returns the checkpoint.
+
+    The checkpoint is unpickled (it holds the hyperparameters' dataclasses): load only checkpoints you trust.
+    """
+    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    module.on_load_checkpoint(checkpoint)  # creates the frozen reference if the checkpoint has one
+    module.load_state_dict(checkpoint["state_dict"])
+    return checkpoint
+
+
+def export(module, output_dir: str | os.PathLike, merge_lora: bool = False, source: dict | None = None) -> Path:
+    """Save `module.policy` and `module.tokenizer` so that `from_pretrained` loads them (see the module doc).
+
+    Args:
+        module: An `InterleaveGRPO` (anything with `policy`, `tokenizer` and `hparams`).
+        output_dir: Folder to write; created, and files of the same name in it are replaced.
+        merge_lora: Under LoRA, save the base with the adapter merged in, as a plain model folder.
+        source: Provenance written to ``export.json`` (e.g. the checkpoint path and step).
+
+    Returns:
+        The output folder.
+    """
+    out = Path(output_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    policy = module.policy
+    if is_peft(policy) and merge_lora:
+        copy.deepcopy(policy).merge_and_unload().save_pretrained(out)
+    elif is_peft(policy):
+        policy.save_pretrained(out)
+        if module.hparams.model_name_or_path == TINY:  # an in-memory base: save it and point the adapter at it
+            copy.deepcopy(policy).unload().save_pretrained(out / BASE_MODEL_DIR)
+            module.tokenizer.save_pretrained(out / BASE_MODEL_DIR)
+            _set_base_model(out, out / BASE_MODEL_DIR)
+    else:
+        policy.save_pretrained(out)
+    module.tokenizer.save_pretrained(out)
+    info = {"model_name_or_path": module.hparams.model_name_or_path, "lora": is_peft(policy) and not merge_lora}
+    (out / "export.json").write_text(json.dumps(info | (source or {}), indent=2, default=str) + "\n")
+    rank_zero_info(f"exported to {out}")
+    return out
+
+
+def _set_base_model(adapter_dir: Path, base_dir: Path) -> None:
+    path = adapter_dir / "adapter_config.json"
+    config = json.loads(path.read_text())
+    config["base_model_name_or_path"] = str(base_dir)
+    path.write_text(json.dumps(config, indent=2) + "\n")

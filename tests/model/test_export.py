@@ -1,0 +1,91 @@
+"""Export: the folder loads with `from_pretrained` and gives the module's log-probs, with and without LoRA."""
+
+import json
+
+import torch
+from peft import AutoPeftModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from interleave_model import grpo
+from interleave_model.export import BASE_MODEL_DIR, export
+from interleave_model.module import InterleaveGRPO
+from interleave_model.policy import LoraSettings
+
+TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
+
+
+def _logprobs(model, tokenizer) -> torch.Tensor:
+    """Log-probs of every token after the first, as the module computes them for the loss. [B, L-1]"""
+    encoded = tokenizer(TEXTS, padding=True, return_tensors="pt")
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]  # [B, L] left-padded
+    with torch.no_grad():
+        logits = InterleaveGRPO._completion_logits(model.eval(), ids, mask, width=ids.shape[1] - 1)  # [B, L-1, V]
+        return grpo.token_logprobs(logits, ids[:, 1:], temperature=1.0) * mask[:, 1:]
+
+
+def _check_tokenizer(module, out):
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer(TEXTS)["input_ids"] == module.tokenizer(TEXTS)["input_ids"]
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (
+        module.tokenizer.eos_token_id,
+        module.tokenizer.pad_token_id,
+    )
+    assert tokenizer.padding_side == "left"
+    return tokenizer
+
+
+def test_full_model_export(make_module, tmp_path):
+    module = make_module()
+    expected = _logprobs(module.policy, module.tokenizer)
+
+    out = export(module, tmp_path / "model", source={"checkpoint": "x.ckpt", "global_step": 7})
+    tokenizer = _check_tokenizer(module, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logprobs(loaded, tokenizer), expected, rtol=0, atol=1e-6)
+    info = json.loads((out / "export.json").read_text())
+    assert info == {"model_name_or_path": "tiny", "lora": False, "checkpoint": "x.ckpt", "global_step": 7}
+
+
+def _lora_module(make_module, **overrides):
+    module = make_module(lora=LoraSettings(r=4, alpha=8, dropout=0.0), **overrides)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a fresh adapter is the identity (B = 0); give it weights so that it matters
+        for name, param in module.policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    return module
+
+
+def test_lora_adapter_export_of_the_tiny_model(make_module, tmp_path):
+    module = _lora_module(make_module)
+    expected = _logprobs(module.policy, module.tokenizer)
+    with module.policy.disable_adapter():
+        assert not torch.allclose(_logprobs(module.policy, module.tokenizer), expected, atol=1e-3)
+
+    out = export(module, tmp_path / "adapter")
+    assert (out / "adapter_config.json").exists() and not (out / "model.safetensors").exists()
+    # the tiny base exists only in memory, so it is saved beside the adapter, which names it
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(out / BASE_MODEL_DIR)
+    tokenizer = _check_tokenizer(module, out)
+    loaded = AutoPeftModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logprobs(loaded, tokenizer), expected, rtol=0, atol=1e-6)
+
+    merged = export(module, tmp_path / "merged", merge_lora=True)
+    assert not (merged / "adapter_config.json").exists()
+    loaded = AutoModelForCausalLM.from_pretrained(merged)
+    torch.testing.assert_close(_logprobs(loaded, tokenizer), expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(_logprobs(module.policy, module.tokenizer), expected)  # the module is untouched
+
+
+def test_lora_adapter_of_a_local_model_names_its_folder(make_module, tmp_path):
+    base = make_module()
+    export(base, tmp_path / "base")
+    module = _lora_module(make_module, model_name_or_path=str(tmp_path / "base"))
+
+    out = export(module, tmp_path / "adapter")
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    assert not (out / BASE_MODEL_DIR).exists()
+    loaded = AutoPeftModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(_logprobs(loaded, module.tokenizer), _logprobs(module.policy, module.tokenizer))

@@ -1,0 +1,157 @@
+"""Evaluation reports: a tiny model's report on two lengths, the Markdown table, and the side-by-side comparison."""
+
+import json
+import math
+
+import lightning as L
+import pytest
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from interleave_model.evaluation import GREEDY_KEYS
+from interleave_model.report import build_report, compare, load_report, main, to_markdown, write_report
+from interleave_model.writers import EvaluationReport
+
+SAMPLED_KEYS = ("pass@1", "pass@2", "sample_score", "distinct", "self_similarity")
+
+
+def _trainer(tmp_path):
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=TensorBoardLogger(tmp_path, name="run", version=0),
+        callbacks=[EvaluationReport()],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def test_tiny_model_report_on_two_lengths_has_every_field(make_module, make_datamodule, tmp_path):
+    module = make_module(eval_num_samples=2, eval_temperature=1.0)
+    datamodule = make_datamodule(module.tokenizer)  # lengths 4 and 8, 4 val / test pairs each
+    trainer = _trainer(tmp_path)
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+
+    run = tmp_path / "run" / "version_0"
+    report = load_report(run)  # a run folder finds eval/report.json
+    assert set(report) == {"split", "created", "model", "generation", "data", "run", "lengths"}
+    assert report["split"] == "val"
+    assert report["model"]["model_name_or_path"] == "tiny"
+    assert report["model"]["checkpoint"] is None and report["model"]["global_step"] == 0
+    assert report["model"]["hparams"]["tiny"]["hidden_size"] == 32  # every hyperparameter, dataclasses as objects
+    assert report["generation"] | {"pass_k": None} == {
+        "max_new_tokens": None, "budget_margin": 0.25, "num_samples": 2, "temperature": 1.0, "top_p": 1.0,
+        "top_k": 0, "pass_k": None, "pass_threshold": 1.0,
+    }  # fmt: skip
+    assert report["generation"]["pass_k"] == [1, 2]
+    assert report["data"] | {"split_fractions": None} == {
+        "corpus": None, "dataset_dir": None, "template": "compact", "seed": 0, "eval_stages": [4, 8],
+        "pairs_per_length": 4, "split_fractions": None,
+    }  # fmt: skip
+    assert set(report["run"]) == {"seed_everything", "model_seed", "world_size", "precision", "versions"}
+    assert report["run"]["world_size"] == 1
+    assert [row["n_words"] for row in report["lengths"]] == [4, 8]
+    for row in report["lengths"]:
+        assert set(row) == {"n_words", "pairs", *GREEDY_KEYS, *SAMPLED_KEYS}
+        assert row["pairs"] == 4
+        for key in ("score", "exact_match", "first_error", "a_accuracy", "b_accuracy", "pass@1", "pass@2"):
+            assert 0.0 <= row[key] <= 1.0, key
+        assert 1.0 <= row["distinct"] <= 2.0
+        assert row["pass@1"] <= row["pass@2"]
+
+    markdown = (run / "eval" / "report.md").read_text()
+    assert "| words | pairs | score | exact | first error |" in markdown
+    assert "| pass@1 | pass@2 | sample score | distinct | self-sim |" in markdown
+    assert sum(line.startswith("| 4 |") or line.startswith("| 8 |") for line in markdown.splitlines()) == 2
+    assert (run / "eval" / "curve.png").read_bytes()[:4] == b"\x89PNG"
+
+    events = EventAccumulator(str(run))
+    events.Reload()
+    assert "val/curve" in events.Tags()["images"]
+    scalars = set(events.Tags()["scalars"])
+    for n in (4, 8):
+        names = ("alignment", *GREEDY_KEYS[1:], *SAMPLED_KEYS)
+        assert {f"val/{name}_{n}w" for name in names} <= scalars
+
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    report = load_report(run / "eval" / "report.json")
+    assert report["split"] == "test" and len(report["lengths"]) == 2
+
+
+def test_greedy_only_report_has_no_sampled_columns(make_module, make_datamodule, tmp_path):
+    module = make_module()
+    trainer = _trainer(tmp_path)
+    trainer.validate(module, datamodule=make_datamodule(module.tokenizer, stages=(4,)), verbose=False)
+    report = load_report(tmp_path / "run" / "version_0" / "eval")
+    assert report["generation"]["num_samples"] == 0
+    assert [set(row) for row in report["lengths"]] == [{"n_words", "pairs", *GREEDY_KEYS}]
+
+
+def _report(score: float, seed: int = 0, step: int = 0) -> dict:
+    rows = [
+        {"n_words": n, "pairs": 32, **dict.fromkeys(GREEDY_KEYS, score / k), "pass@1": score, "pass@8": 1.0}
+        for k, n in enumerate((10, 25), start=1)
+    ]
+    rows[1]["self_similarity"] = math.nan
+    data = {"corpus": None, "template": "two_processes", "seed": seed, "pairs_per_length": 32}
+    generation = {"num_samples": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "pass_threshold": 1.0}
+    model = {"model_name_or_path": "/models/Llama-3.2-3B-Instruct", "lora": None, "checkpoint": None}
+    return build_report(
+        {"split": "val", "step": step, "lengths": rows}, model | {"global_step": step}, generation, data, {}
+    )
+
+
+def test_markdown_table_by_hand():
+    markdown = to_markdown(_report(0.5))
+    lines = markdown.splitlines()
+    header = "| words | pairs | score | exact | first error | A acc | B acc | sub/word | ins/word | del/word"
+    assert lines[lines.index(next(line for line in lines if line.startswith("| words")))].startswith(header)
+    assert "| del/word | pass@1 | pass@8 | self-sim |" in markdown  # pass@k after the greedy measures, by k
+    assert "| 10 | 32 | 0.500 | 0.500 |" in markdown
+    assert "| 25 | 32 | 0.250 |" in markdown and markdown.count("| nan |") == 1
+    assert "- **model**: /models/Llama-3.2-3B-Instruct (LoRA: no)" in markdown
+    assert "8 samples per prompt at temperature 1.0 (top_p 1.0, top_k 0), correct = exact match" in markdown
+
+
+def test_compare_prints_two_reports_side_by_side(tmp_path, capsys):
+    a = write_report(_report(0.5), tmp_path / "a")
+    write_report(_report(0.75, seed=1, step=100), tmp_path / "b")
+    assert math.isnan(json.loads(a.read_text())["lengths"][1]["self_similarity"])  # NaN survives the round trip
+
+    assert main([str(a), str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert f"A: {a}" in out and f"B: {tmp_path / 'b'}" in out
+    assert "checkpoint: none (weights as loaded), global step 100" in out
+    assert "note: data.seed differs: A 0, B 1" in out
+    lines = out.splitlines()
+    header = next(line for line in lines if line.lstrip().startswith("words"))
+    assert header.split() == ["words", "measure", "A", "B", "B-A"]
+    pairs_10 = lines.index(next(line for line in lines if line.split()[:2] == ["10", "pairs"]))
+    assert lines[pairs_10].split() == ["10", "pairs", "32", "32"]  # counts, no difference column
+    assert lines[pairs_10 + 1].split() == ["score", "0.500", "0.750", "+0.250"]
+    pairs_25 = lines.index(next(line for line in lines if line.split()[:2] == ["25", "pairs"]))
+    assert lines[pairs_25 + 1].split() == ["score", "0.250", "0.375", "+0.125"]
+    assert lines[pairs_25 + 9].split() == ["pass@1", "0.500", "0.750", "+0.250"]  # after the 8 greedy measures
+    assert lines[-1].split() == ["self_similarity", "nan", "nan"]
+
+
+def test_compare_three_reports_and_missing_lengths():
+    short = _report(1.0)
+    short["lengths"] = short["lengths"][:1]
+    out = compare([_report(0.5), _report(0.5), short], ["x", "y", "z"])
+    assert any(line.split() == ["25", "pairs", "32", "32", "-"] for line in out.splitlines())
+    assert any(line.split()[:3] == ["10", "pairs", "32"] for line in out.splitlines())
+
+
+def test_compare_command_reports_unreadable_files(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.json")]) == 2
+    assert "cannot read report" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["report.json", "report.md"])
+def test_reports_are_written_whole(tmp_path, name):
+    write_report(_report(0.5), tmp_path)
+    write_report(_report(0.75), tmp_path)  # replaced, and no temporary file is left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
+    assert "0.750" in (tmp_path / "report.md").read_text()

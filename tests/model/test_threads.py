@@ -1,0 +1,22 @@
+"""TorchThreads sets the intra-op thread count at setup and refuses nonsense."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from interleave_model.threads import TorchThreads
+
+
+def test_setup_sets_the_thread_count():
+    before = torch.get_num_threads()
+    try:
+        TorchThreads(num_threads=2).setup(None, None, "fit")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_zero_threads_is_refused():
+    with pytest.raises(ValueError, match="num_threads must be >= 1"):
+        TorchThreads(num_threads=0)

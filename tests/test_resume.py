@@ -1,0 +1,83 @@
+"""Exact resume: N steps, a checkpoint, then N more steps equal 2N steps straight, bitwise on CPU.
+
+The curriculum is set to move at the last batch before the checkpoint: Lightning has already fetched the next
+batch at the old stage, so the resumed run must draw that batch at the old stage too.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+
+from cli import main
+from tests.conftest import TINY_CONFIG
+
+# threshold 0 and patience 1: the 4-word stage ends after its min_steps=2 GRPO batches (batches 2 and 3, after the
+# 2 warm-start batches), so the move is decided at the end of batch 3, the last one before the checkpoint at 4.
+CURRICULUM = [
+    "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback",
+    "--trainer.callbacks.threshold=0.0",
+    "--trainer.callbacks.patience=1",
+    "--trainer.callbacks.min_steps=2",
+    "--trainer.callbacks.export=false",
+]
+
+
+class StopAfter(L.Callback):
+    """Ends fit after `steps` optimizer steps, as a preempted job would: max_steps, and the LR schedule, stay as is."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step >= self.steps:
+            trainer.should_stop = True
+
+
+def _fit(root, stop_after: int, ckpt_path=None) -> dict:
+    args = ["fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={root}", "--trainer.logger=false"]
+    args += ["--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.max_steps=8"]
+    args += CURRICULUM
+    args += ["--trainer.callbacks+=tests.test_resume.StopAfter", f"--trainer.callbacks.steps={stop_after}"]
+    args += [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
+    cli = main(args)
+    path = root / f"end-{stop_after}.ckpt"
+    cli.trainer.save_checkpoint(path)
+    return torch.load(path, weights_only=False)
+
+
+def _assert_same(a, b, where="checkpoint"):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path):
+    straight = _fit(tmp_path / "straight", 8)
+    half = _fit(tmp_path / "split", 4)
+    resumed = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "end-4.ckpt")
+
+    # the checkpoint sits between the decision (after batch 3) and its effect (batch 5, batch 4 being in flight)
+    move = half["callbacks"]["CurriculumCallback"]["history"][0]
+    assert (move["kind"], move["batch"], move["from_batch"]) == ("advance", 3, 5)
+    assert half["InterleaveDataModule"] == {"stage_index": 0, "moves": [[5, 1]]}
+
+    assert resumed["global_step"] == straight["global_step"] == 8
+    _assert_same(resumed["state_dict"], straight["state_dict"], "weights")
+    _assert_same(resumed["optimizer_states"], straight["optimizer_states"], "optimizer")
+    _assert_same(resumed["callbacks"]["CurriculumCallback"], straight["callbacks"]["CurriculumCallback"], "curriculum")
+    _assert_same(resumed["InterleaveDataModule"], straight["InterleaveDataModule"], "datamodule")
+    _assert_same(resumed["sampling_rng"], straight["sampling_rng"], "sampling rng")
+    kinds = [h["kind"] for h in straight["callbacks"]["CurriculumCallback"]["history"]]
+    assert kinds == ["advance", "done"]  # the 8-word stage was reached and trained on in both runs
