@@ -37,7 +37,6 @@ from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
 
-
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
 torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling])
 

@@ -1,0 +1,256 @@
+"""This project's GRPO step against TRL's GRPOTrainer on the same work, alternating in one run. Prints one JSON line.
+
+Same model (the embedded tiny Llama, built once and saved to a temporary folder that both load offline, all weights
+trained), same data (the training pairs of each length in the same prompt template), same group (4 prompts x 8
+completions), same token budget, same loss settings (beta 0.04, epsilon 0.2, "grpo" loss, group-scaled rewards, one
+update per rollout, lr 1e-4 constant, clip norm 1.0, fp32, no gradient checkpointing, temperature 1). Every
+measurement runs in a process of its own, so one framework's imports and allocations never count against the other,
+and the order of the two alternates from round to round. Figures are medians over rounds; `ratios` are ours / TRL's
+(tokens per second: higher is better; peak and working RSS: lower is better). The machine's other load shows in
+`spread`; on a shared machine pass `--threads 1` and read `tokens_per_cpu_s`, which waiting for a core does not move.
+
+    pip install -e ".[bench]"
+    python benchmarks/vs_trl.py [--words 10 50] [--rounds 2] [--steps 4] [--warmup 1] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from grpo_step import budget, mark, rss_mb, summarize
+
+HERE = Path(__file__).resolve().parent
+ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def prepare(workdir: Path, args: argparse.Namespace) -> None:
+    """Save the tiny model and its tokenizer, and every length's training prompts as JSONL, under `workdir`."""
+    from interleave_data.datamodule import InterleaveDataModule
+    from interleave_data.prompts import format_prompt
+    from interleave_model.module import InterleaveGRPO
+    from interleave_model.policy import TinyModelConfig
+
+    shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                            intermediate_size=args.mlp)  # fmt: skip
+    module = InterleaveGRPO(tiny=shape, template=args.template)
+    module.policy.save_pretrained(workdir / "model")
+    module.tokenizer.save_pretrained(workdir / "model")
+    for words in args.words:
+        data = InterleaveDataModule(stages=[words], train_pairs=args.pairs, val_pairs=0, test_pairs=0,
+                                    template=args.template, cache_dir=str(workdir / "cache"))  # fmt: skip
+        data.prepare_data()
+        data.setup("fit")
+        with open(workdir / f"prompts_{words}.jsonl", "w") as out:
+            for example in data.examples(words, "train"):
+                row = {"prompt": format_prompt(example.a, example.b, args.template), "target": example.target}
+                out.write(json.dumps(row) + "\n")
+
+
+def command(framework: str, args: argparse.Namespace, workdir: Path, words: int) -> list[str]:
+    """The command line of one measurement: `grpo_step.py` for ours, this script's worker mode for TRL."""
+    settings = {"words": words, "steps": args.steps, "warmup": args.warmup, "beta": args.beta, "prompts": args.prompts,
+                "generations": args.generations, "model": workdir / "model", "threads": args.threads}  # fmt: skip
+    shared = [item for key, value in settings.items() if value is not None for item in (f"--{key}", str(value))]
+    if framework == "ours":
+        extra = ["--template", args.template, "--pairs", str(args.pairs), "--max-new-tokens", str(budget(words))]
+        return [sys.executable, str(HERE / "grpo_step.py"), *shared, *extra]
+    return [sys.executable, str(HERE / "vs_trl.py"), "--trl-worker", str(workdir / f"prompts_{words}.jsonl"), *shared]
+
+
+def run(command_line: list[str]) -> dict:
+    """Run one measurement in a fresh process; return the JSON line it printed last."""
+    done = subprocess.run(command_line, capture_output=True, text=True, env=os.environ | ENV, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode or not lines:
+        raise RuntimeError(f"{' '.join(command_line)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def trl_worker(args: argparse.Namespace) -> dict:
+    """Train warmup + steps optimizer steps with TRL's GRPOTrainer and summarize them as `grpo_step.py` does."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from interleave_model.alignment import score_batch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    words = args.words[0]
+    group = args.prompts * args.generations
+    records: list[dict[str, float]] = []
+
+    def alignment(completions: list[str], target: list[str], **kwargs) -> list[float]:
+        return score_batch([" ".join(c.split()) for c in completions], target)
+
+    class StepTimer(TrainerCallback):
+        """Step starts (a step runs from one start to the next) and the generated tokens TRL logs for each step."""
+
+        def on_step_begin(self, *unused, **kwargs) -> None:
+            records.append(mark())
+
+        def on_log(self, _args, _state, _control, logs=None, **kwargs) -> None:
+            if logs and "completions/mean_length" in logs:
+                records[-1]["generated_tokens"] = logs["completions/mean_length"] * group
+
+    rows = [json.loads(line) for line in open(args.trl_worker)]
+    tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = GRPOConfig(
+            output_dir=output_dir,
+            per_device_train_batch_size=group,
+            num_generations=args.generations,
+            max_completion_length=budget(words),
+            max_steps=args.warmup + args.steps,
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=args.beta,
+            epsilon=0.2,
+            loss_type="grpo",
+            scale_rewards="group",
+            num_iterations=1,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            gradient_checkpointing=False,  # TRL's default is on; this project's is off
+            bf16=False,  # TRL's default is on; CPU fp32 for both
+            use_cpu=True,
+            seed=0,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            disable_tqdm=True,
+            dataloader_pin_memory=False,
+        )
+        trainer = GRPOTrainer(model=args.model, reward_funcs=alignment, args=config, processing_class=tokenizer,
+                              train_dataset=Dataset.from_list(rows), callbacks=[StepTimer()])  # fmt: skip
+        generate = trainer._generate
+
+        def timed_generate(*a, **kw):  # TRL's rollout: prompts in, decoded completions out
+            started = time.perf_counter()
+            out = generate(*a, **kw)
+            records[-1]["rollout_s"] = time.perf_counter() - started
+            return out
+
+        trainer._generate = timed_generate
+        trainer.train()
+    return summarize([*records, mark()], args.warmup, budget(words))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--words", type=int, nargs="+", default=[10, 50], help="words per fragment")
+    parser.add_argument("--rounds", type=int, default=2, help="measurements per framework and length")
+    parser.add_argument("--steps", type=int, default=4, help="measured optimizer steps per measurement")
+    parser.add_argument("--warmup", type=int, default=1, help="steps run first and not measured")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--generations", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads in both; default torch's")
+    parser.add_argument("--template", default="compact")
+    parser.add_argument("--pairs", type=int, default=64, help="training pairs per length")
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--mlp", type=int, default=256)
+    parser.add_argument("--model", help=argparse.SUPPRESS)  # worker mode: the saved model folder
+    parser.add_argument("--trl-worker", metavar="PROMPTS_JSONL", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """Medians of both frameworks' runs at one length, their spread over rounds, and ours / TRL's ratios."""
+    keys = ("step_s", "step_cpu_s", "rollout_s", "tokens_per_s", "tokens_per_cpu_s", "rollout_tokens_per_s",
+            "ms_per_token", "peak_rss_mb", "start_rss_mb", "working_rss_mb")  # fmt: skip
+    medians = {fw: {k: round(statistics.median(r[k] for r in rs), 4) for k in keys} for fw, rs in runs.items()}
+    spread = {
+        fw: {
+            k: [min(r[k] for r in rs), max(r[k] for r in rs)]
+            for k in ("tokens_per_s", "tokens_per_cpu_s", "peak_rss_mb")
+        }
+        for fw, rs in runs.items()
+    }
+    ours, trl = medians["ours"], medians["trl"]
+
+    def ratio(key: str) -> float:
+        return round(ours[key] / trl[key], 2)
+
+    return {
+        "ours": ours | {"generated_tokens": runs["ours"][0]["generated_tokens"]},
+        "trl": trl | {"generated_tokens": runs["trl"][0]["generated_tokens"]},
+        "spread": spread,
+        "ratios": {
+            "tokens_per_s": ratio("tokens_per_s"),
+            "tokens_per_cpu_s": ratio("tokens_per_cpu_s"),
+            "rollout_tokens_per_s": ratio("rollout_tokens_per_s"),
+            "peak_rss": ratio("peak_rss_mb"),
+            "working_rss": ratio("working_rss_mb"),
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.trl_worker:
+        print(json.dumps(trl_worker(args)))
+        return {}
+    import torch
+    import trl
+
+    runs = {words: {"ours": [], "trl": []} for words in args.words}
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        prepare(workdir, args)
+        for round_index in range(args.rounds):
+            order = ("ours", "trl") if round_index % 2 == 0 else ("trl", "ours")
+            for words in args.words:
+                for framework in order:
+                    result = run(command(framework, args, workdir, words))
+                    runs[words][framework].append(result["words"][str(words)] if framework == "ours" else result)
+    results = {str(words): compare(by_framework) for words, by_framework in runs.items()}
+    report = {
+        "benchmark": "vs_trl",
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "trl": trl.__version__,
+        "cpus": os.cpu_count(),
+        "threads": args.threads or torch.get_num_threads(),
+        "model": f"tiny llama h{args.hidden_size} l{args.layers} a{args.heads} mlp{args.mlp}",
+        "prompts": args.prompts,
+        "generations": args.generations,
+        "beta": args.beta,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "launcher_peak_rss_mb": rss_mb()[1],
+        "words": results,
+        "targets_met": {
+            f"tokens_per_s>=2x_at_{w}": r["ratios"]["tokens_per_s"] >= 2
+            for w, r in results.items()
+            if w in ("10", "50")
+        }
+        | {f"peak_rss<=0.5x_at_{w}": r["ratios"]["peak_rss"] <= 0.5 for w, r in results.items()},
+    }
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
