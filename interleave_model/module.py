@@ -284,18 +284,7 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         G = hp.num_generations
         started = time.perf_counter()
-        roll = rollout(
-            self.policy,
-            self.tokenizer,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            num_generations=G,
-            max_new_tokens=self._budget(batch["targets"]),
-            temperature=hp.temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            generator=self._generator(),
-        )
+        roll = self._rollout(batch, G, hp.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
@@ -382,9 +371,24 @@ class InterleaveGRPO(L.LightningModule):
 
     def greedy(self, batch: dict) -> list[str]:
         """Greedy answers, one per prompt (evaluation)."""
-        budget = self._budget(batch["targets"])
-        kwargs = {"num_generations": 1, "max_new_tokens": budget, "temperature": 0.0}
-        return rollout(self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], **kwargs).texts
+        return self._rollout(batch, num_generations=1, temperature=0.0).texts
+
+    def _rollout(
+        self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
+    ) -> Rollout:
+        """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k."""
+        return rollout(
+            self.policy,
+            self.tokenizer,
+            batch["prompt_ids"],
+            batch["prompt_mask"],
+            num_generations=num_generations,
+            max_new_tokens=self._budget(batch["targets"]),
+            temperature=temperature,
+            top_p=self.hparams.top_p,
+            top_k=self.hparams.top_k,
+            generator=generator,
+        )
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
         """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""
@@ -407,18 +411,8 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         n = hp.eval_num_samples
         seed = random.Random(f"{hp.seed}:eval:{batch['n_words'][0]}:{batch_idx}:{self.global_rank}").getrandbits(63)
-        texts = rollout(
-            self.policy,
-            self.tokenizer,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            num_generations=n,
-            max_new_tokens=self._budget(batch["targets"]),
-            temperature=hp.eval_temperature,
-            top_p=hp.top_p,
-            top_k=hp.top_k,
-            generator=torch.Generator(device=self.device).manual_seed(seed),
-        ).texts
+        generator = torch.Generator(device=self.device).manual_seed(seed)
+        texts = self._rollout(batch, n, hp.eval_temperature, generator).texts
         return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
