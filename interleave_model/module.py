@@ -6,6 +6,7 @@ import contextlib
 import math
 import random
 import time
+import warnings
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -36,6 +37,10 @@ from interleave_model.policy import (
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
+
+# Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
+# That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
+warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
 torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling])
