@@ -279,14 +279,14 @@ class _TrainStream(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[str, list[Example]]]:
         trainer = self.datamodule.trainer
-        k = _batches_run(trainer) if trainer is not None else 0
+        k = batches_run(trainer) if trainer is not None else 0
         rank = trainer.global_rank if trainer is not None else 0
         while True:
             yield self.datamodule.sample_train_batch(k, rank)
             k += 1
 
 
-def _batches_run(trainer) -> int:
+def batches_run(trainer) -> int:
     """Training batches already run, across epochs and restored on resume.
 
     Not ``global_step``: under manual optimization a batch may take several optimizer steps, or none when skipped.

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from interleave_data.curriculum import Stage
+from interleave_data.datamodule import batches_run
 from interleave_model.alignment import align
 from interleave_model.export import export
 
@@ -286,7 +287,7 @@ class CurriculumCallback(L.Callback):
         """Move the curriculum and the DataModule to stage `index` from the first batch not fetched yet."""
         state = self.state
         old, new = self.stages[state.stage_index].n_words, self.stages[index].n_words
-        from_batch = _batches_run(trainer) + 1  # the next batch is already fetched at the old stage
+        from_batch = batches_run(trainer) + 1  # the next batch is already fetched at the old stage
         trainer.datamodule.set_stage(index, from_batch=from_batch)
         self._note(trainer, kind, old, new, why, from_batch=from_batch)
         self.state = CurriculumState(
@@ -310,7 +311,7 @@ class CurriculumCallback(L.Callback):
         trainer.should_stop = True
 
     def _note(self, trainer: L.Trainer, kind: str, old: int, new: int, why: str, **extra) -> None:
-        entry = {"kind": kind, "from_words": old, "to_words": new, "batch": _batches_run(trainer) - 1}
+        entry = {"kind": kind, "from_words": old, "to_words": new, "batch": batches_run(trainer) - 1}
         entry |= {"global_step": trainer.global_step, "why": why} | extra
         self.state.history.append(entry)
         text = f"{kind}: {old} -> {new} words at step {trainer.global_step} ({why})"
@@ -352,7 +353,7 @@ class SampleDump(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         record = outputs.get("record") if isinstance(outputs, Mapping) else None
-        if record is None or _batches_run(trainer) % self.every_n_steps:
+        if record is None or batches_run(trainer) % self.every_n_steps:
             return
         rewards = record.rewards.detach().float().cpu().tolist()  # [P*G]
         G = record.num_generations
@@ -389,11 +390,6 @@ def _per_stage(value, name: str, lengths: list[int]) -> list:
     if len(value) != len(lengths):
         raise ValueError(f"CurriculumCallback.{name} has {len(value)} values for {len(lengths)} stages {lengths}")
     return list(value)
-
-
-def _batches_run(trainer: L.Trainer) -> int:
-    """Training batches run, counting the current one once its step is done; restored on resume."""
-    return trainer.fit_loop.epoch_loop.batch_progress.total.processed
 
 
 def _gather_objects(obj, trainer: L.Trainer) -> list:

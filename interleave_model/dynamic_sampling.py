@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from interleave_data.datamodule import batches_run
 from interleave_model import grpo
 from interleave_model.rollout import Rollout
 
@@ -50,7 +51,7 @@ def refill(module: InterleaveGRPO, batch: dict, trajectory: Trajectory) -> tuple
     G = module.hparams.num_generations
     n_groups = trajectory.rewards.numel() // G
     trainer = module.trainer
-    k = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # index of this batch in the training stream
+    k = batches_run(trainer)  # index of this batch in the training stream
     n_words = max(batch["n_words"])
     parts, kept, dropped, rounds = [], 0, 0, 0
     current = trajectory
