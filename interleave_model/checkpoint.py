@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from interleave_model.atomic import replacing
 from interleave_model.policy import PolicyError, is_peft
 
 
@@ -36,16 +37,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
     """`torch.save(obj, path)` through a temporary file in the same folder and an atomic rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with replacing(path) as tmp, open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
     _fsync_dir(path.parent)
 
 

@@ -18,11 +18,12 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
+
+from interleave_model.atomic import replacing
 
 # Column headers of the Markdown table, in order; measures not listed here follow under their own names.
 COLUMNS = {
@@ -80,22 +81,17 @@ def write_report(report: Mapping[str, Any], dirpath: str | os.PathLike) -> Path:
     dirpath = Path(dirpath)
     dirpath.mkdir(parents=True, exist_ok=True)
     # allow_nan: a measure without data is NaN, which Python's json reads back
-    _atomic_write(dirpath / "report.json", json.dumps(report, indent=2, allow_nan=True) + "\n")
-    _atomic_write(dirpath / "report.md", to_markdown(report))
+    with replacing(dirpath / "report.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=2, allow_nan=True) + "\n", encoding="utf-8")
+    with replacing(dirpath / "report.md") as tmp:
+        tmp.write_text(to_markdown(report), encoding="utf-8")
     return dirpath / "report.json"
 
 
 def save_figure(figure, path: str | os.PathLike) -> None:
     """Save a matplotlib figure as PNG atomically."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
+    with replacing(path) as tmp:
         figure.savefig(tmp, format="png", dpi=100)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
@@ -260,18 +256,6 @@ def _delta(first: Any, value: Any, key: str) -> str:
         return ""
     diff = value - first
     return "" if math.isnan(diff) else f"{diff:+.3f}"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename it into place, so a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from interleave_model.atomic import replacing
 from interleave_model.report import build_report, curve_figure, save_figure, write_report
 
 
@@ -124,12 +125,10 @@ class PredictionWriter(BasePredictionWriter):
             self._part(trainer.global_rank).unlink(missing_ok=True)
 
     def _join(self, world_size: int) -> None:
-        tmp = self._path.with_name(f".{self._path.name}.tmp")
-        with open(tmp, "w", encoding="utf-8") as out:
+        with replacing(self._path) as tmp, open(tmp, "w", encoding="utf-8") as out:
             for rank in range(world_size):
                 with open(self._part(rank), encoding="utf-8") as part:
                     out.writelines(part)
-        os.replace(tmp, self._path)
         for rank in range(world_size):
             self._part(rank).unlink()
         rank_zero_info(f"predictions: {self._path}")
