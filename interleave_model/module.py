@@ -35,7 +35,7 @@ from interleave_model.policy import (
     load_pretrained,
 )
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
-from interleave_model.rollout import Rollout, rollout, token_budget
+from interleave_model.rollout import Rollout, position_ids, rollout, token_budget
 from interleave_model.schedule import lr_factor
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -476,7 +476,7 @@ class InterleaveGRPO(L.LightningModule):
     @staticmethod
     def _completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
         """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
+        positions = position_ids(attention_mask)  # [N, L]
         out = model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -507,7 +507,7 @@ class InterleaveGRPO(L.LightningModule):
             entropy = grpo.token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
             return grpo.token_logprobs(logits, completion_ids, temperature), entropy
         decoder, weight = head
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [N, L]
+        positions = position_ids(attention_mask)  # [N, L]
         hidden = decoder(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
         ).last_hidden_state  # [N, L, H]

@@ -25,6 +25,14 @@ class Rollout(NamedTuple):
     texts: list[str]  # decoded completions, special tokens removed
 
 
+def position_ids(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: the first real token of each row is 0. [N, L] -> [N, L].
+
+    Sampling and scoring must use the same positions, or the policy's log-probs drift from the sampler's.
+    """
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def token_budget(target_lengths: Sequence[int], margin: float = 0.25, slack: int = 4) -> int:
     """New tokens to allow for a batch: the longest target's token count plus a margin, plus EOS and some slack.
 
@@ -63,7 +71,7 @@ def sample(
     model.eval()  # dropout off while sampling, so the rollout is drawn from the policy being scored
     try:
         G = num_generations
-        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [P, Lp]
+        positions = position_ids(prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
         cache = _rollout_cache(model, capacity=prompt_length + max_new_tokens)
         out = model(
