@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from interleave_model.atomic import replacing_dir
 from interleave_model.policy import TINY, is_peft
 
 BASE_MODEL_DIR = "base_model"
@@ -47,15 +48,27 @@ def export(module, output_dir: str | os.PathLike, merge_lora: bool = False, sour
 
     Args:
         module: An `InterleaveGRPO` (anything with `policy`, `tokenizer` and `hparams`).
-        output_dir: Folder to write; created, and files of the same name in it are replaced.
+        output_dir: Folder to write: written beside it and swapped in whole (`atomic.replacing_dir`), so a reader
+            or a killed run never sees half an export. An existing folder is replaced only if it is empty or an
+            earlier export (it has ``export.json``).
         merge_lora: Under LoRA, save the base with the adapter merged in, as a plain model folder.
         source: Provenance written to ``export.json`` (e.g. the checkpoint path and step).
 
     Returns:
         The output folder.
+
+    Raises:
+        FileExistsError: `output_dir` holds files and is not an earlier export.
     """
-    out = Path(output_dir).absolute()
-    out.mkdir(parents=True, exist_ok=True)
+    final = Path(output_dir).absolute()
+    with replacing_dir(final, lambda folder: (folder / "export.json").is_file()) as out:
+        _write(module, out, final, merge_lora, source)
+    rank_zero_info(f"exported to {final}")
+    return final
+
+
+def _write(module, out: Path, final: Path, merge_lora: bool, source: dict | None) -> None:
+    """Write the export into `out`; paths inside it that name the folder use `final`, where it will live."""
     policy = module.policy
     if is_peft(policy) and merge_lora:
         copy.deepcopy(policy).merge_and_unload().save_pretrained(out)
@@ -64,14 +77,12 @@ def export(module, output_dir: str | os.PathLike, merge_lora: bool = False, sour
         if module.hparams.model_name_or_path == TINY:  # an in-memory base: save it and point the adapter at it
             copy.deepcopy(policy).unload().save_pretrained(out / BASE_MODEL_DIR)
             module.tokenizer.save_pretrained(out / BASE_MODEL_DIR)
-            _set_base_model(out, out / BASE_MODEL_DIR)
+            _set_base_model(out, final / BASE_MODEL_DIR)
     else:
         policy.save_pretrained(out)
     module.tokenizer.save_pretrained(out)
     info = {"model_name_or_path": module.hparams.model_name_or_path, "lora": is_peft(policy) and not merge_lora}
     (out / "export.json").write_text(json.dumps(info | (source or {}), indent=2, default=str) + "\n")
-    rank_zero_info(f"exported to {out}")
-    return out
 
 
 def _set_base_model(adapter_dir: Path, base_dir: Path) -> None:

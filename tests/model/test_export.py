@@ -2,11 +2,13 @@
 
 import json
 
+import pytest
 import torch
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_model import grpo
+from interleave_model.atomic import replacing_dir
 from interleave_model.export import BASE_MODEL_DIR, export
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import LoraSettings
@@ -89,3 +91,48 @@ def test_lora_adapter_of_a_local_model_names_its_folder(make_module, tmp_path):
     assert not (out / BASE_MODEL_DIR).exists()
     loaded = AutoPeftModelForCausalLM.from_pretrained(out)
     torch.testing.assert_close(_logprobs(loaded, module.tokenizer), _logprobs(module.policy, module.tokenizer))
+
+
+def test_export_replaces_an_earlier_export_whole_and_never_a_folder_of_other_files(make_module, tmp_path):
+    module = make_module()
+    out = export(module, tmp_path / "model", source={"global_step": 1})
+    (out / "stale.txt").write_text("from an older export")
+    export(module, out, source={"global_step": 2})
+    assert json.loads((out / "export.json").read_text())["global_step"] == 2
+    assert not (out / "stale.txt").exists()  # swapped in whole, not written over file by file
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]  # no temporary folders left beside it
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own")
+    with pytest.raises(FileExistsError, match="mine: exists and is not a folder this writes"):
+        export(module, mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_failed_export_leaves_the_earlier_one_as_it_was(make_module, tmp_path, monkeypatch):
+    module = make_module()
+    out = export(module, tmp_path / "model", source={"global_step": 1})
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    def fail(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(module.tokenizer, "save_pretrained", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export(module, out, source={"global_step": 2})
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_swap_killed_between_its_renames_is_undone_by_the_next_write(tmp_path):
+    # what a kill right after `path -> .path.old` leaves: no `path`, the whole old folder, a finished new one
+    old, tmp = tmp_path / ".out.old", tmp_path / ".out.tmp"
+    old.mkdir()
+    (old / "export.json").write_text("old")
+    tmp.mkdir()
+    (tmp / "export.json").write_text("new, never swapped in")
+    with pytest.raises(RuntimeError), replacing_dir(tmp_path / "out", lambda p: True):
+        raise RuntimeError("failed while writing")
+    assert (tmp_path / "out" / "export.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
