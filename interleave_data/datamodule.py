@@ -4,6 +4,7 @@ import random
 from collections.abc import Iterator, Sequence
 from functools import partial
 
+import torch
 from lightning import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -251,14 +252,14 @@ class InterleaveDataModule(LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # In-process (num_workers=0) so a stage change is seen by the very next batch drawn.
-        return DataLoader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
+        return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
     def _collate_train(self, item: tuple[str, list[Example]]) -> dict:
         phase, examples = item
         return self.collate(examples, phase)
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
-        return DataLoader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))
+        return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))
 
     def val_dataloader(self) -> list[DataLoader]:
         return [self._eval_loader(self.examples(n, "val")) for n in self.eval_lengths] if self.val_pairs else []
@@ -294,6 +295,16 @@ def batches_run(trainer) -> int:
     end of a batch, after validation, or at the end of fit.
     """
     return trainer.fit_loop.epoch_loop.batch_progress.total.processed
+
+
+def _loader(dataset, **kwargs) -> DataLoader:
+    """A DataLoader that leaves the global torch RNG alone.
+
+    Every iterator a DataLoader starts draws a seed, from the global RNG unless it has a generator of its own. That
+    draw would shift LoRA's dropout masks whenever validation runs or a resumed run restarts its iterator, so a
+    resumed run would not continue bitwise; the examples never depend on it.
+    """
+    return DataLoader(dataset, generator=torch.Generator(), **kwargs)
 
 
 def _sample(rng: random.Random, pool: list[Example], n: int) -> list[Example]:

@@ -273,11 +273,19 @@ class InterleaveGRPO(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["sampling_rng"] = self._generator().get_state()
+        # the global RNG draws LoRA's dropout masks; with it a resumed run continues them exactly
+        checkpoint["torch_rng"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            checkpoint["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         checkpoint["skipped_steps"] = self.skipped_steps
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "sampling_rng" in checkpoint:
             self._generator().set_state(checkpoint["sampling_rng"])
+        if "torch_rng" in checkpoint:
+            torch.set_rng_state(checkpoint["torch_rng"])
+        if "cuda_rng" in checkpoint and self.device.type == "cuda":
+            torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
         if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
             self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after

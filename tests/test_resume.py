@@ -35,10 +35,10 @@ class StopAfter(L.Callback):
             trainer.should_stop = True
 
 
-def _fit(root, stop_after: int, ckpt_path=None) -> dict:
+def _fit(root, stop_after: int, ckpt_path=None, extra=()) -> dict:
     args = ["fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={root}", "--trainer.logger=false"]
     args += ["--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.max_steps=8"]
-    args += CURRICULUM
+    args += CURRICULUM + list(extra)
     args += ["--trainer.callbacks+=tests.test_resume.StopAfter", f"--trainer.callbacks.steps={stop_after}"]
     args += [f"--ckpt_path={ckpt_path}"] if ckpt_path else []
     cli = main(args)
@@ -62,11 +62,16 @@ def _assert_same(a, b, where="checkpoint"):
         assert a == b, where
 
 
+# LoRA with dropout draws its masks from the global torch RNG, which the checkpoint must carry as well
+LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5"]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path):
-    straight = _fit(tmp_path / "straight", 8)
-    half = _fit(tmp_path / "split", 4)
-    resumed = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "end-4.ckpt")
+@pytest.mark.parametrize("extra", [[], LORA_DROPOUT], ids=["full", "lora_dropout"])
+def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path, extra):
+    straight = _fit(tmp_path / "straight", 8, extra=extra)
+    half = _fit(tmp_path / "split", 4, extra=extra)
+    resumed = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "end-4.ckpt", extra=extra)
 
     # the checkpoint sits between the decision (after batch 3) and its effect (batch 5, batch 4 being in flight)
     move = half["callbacks"]["CurriculumCallback"]["history"][0]
