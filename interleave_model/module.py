@@ -22,6 +22,7 @@ from interleave_model.alignment import align
 from interleave_model.checkpoint import load_initial_weights
 from interleave_model.dynamic_sampling import DynamicSampling, refill
 from interleave_model.evaluation import SampledAnswers, length_row, resolve_pass_k
+from interleave_model.logprobs import completion_logits, completion_logprobs
 from interleave_model.metric import AlignmentScore
 from interleave_model.policy import (
     TINY,
@@ -35,7 +36,7 @@ from interleave_model.policy import (
     load_pretrained,
 )
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
-from interleave_model.rollout import Rollout, position_ids, rollout, token_budget
+from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -343,8 +344,8 @@ class InterleaveGRPO(L.LightningModule):
         optimizer.zero_grad()
         for rows in self._row_chunks(n_rows):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
-            logprobs, entropy = self._completion_logprobs(
-                self.policy, ids, attention, trajectory.completion_ids[rows], with_entropy=True
+            logprobs, entropy = completion_logprobs(
+                self.policy, ids, attention, trajectory.completion_ids[rows], hp.temperature, with_entropy=True
             )  # [n, C] each
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
@@ -374,7 +375,7 @@ class InterleaveGRPO(L.LightningModule):
         input_ids, attention_mask, labels = self._sft_inputs(batch)  # [B, Lp+T] each
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        logits = self._completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
+        logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
         loss = grpo.sft_loss(logits, labels)
         self.manual_backward(loss)
         self._step_optimizer(loss.item(), "sft")
@@ -481,70 +482,11 @@ class InterleaveGRPO(L.LightningModule):
         attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
         return input_ids, attention_mask, labels
 
-    @staticmethod
-    def _completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
-        """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
-        positions = position_ids(attention_mask)  # [N, L]
-        out = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            logits_to_keep=width + 1,
-            use_cache=False,  # else the forward keeps a copy of every layer's keys and values
-        )
-        return out.logits[:, :-1]  # position t predicts token t+1, so drop the last
-
-    def _completion_logprobs(
-        self,
-        model: torch.nn.Module,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        completion_ids: Tensor,
-        with_entropy: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:
-        """Log-probs of the completion (the last C tokens of each row) and, when asked, the entropies: [N, C] each.
-
-        Through the fused LM head (`grpo.head_token_logprobs`) when the model has a plain one: only the completion
-        tokens go through the head, and no [N, C, V] logits (nor their gradient) are ever held; positions past the
-        completion mask get 0. Otherwise from the model's logits.
-        """
-        temperature, width = self.hparams.temperature, completion_ids.shape[1]
-        head = self._fused_head(model)
-        if head is None:
-            logits = self._completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
-            entropy = grpo.token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
-            return grpo.token_logprobs(logits, completion_ids, temperature), entropy
-        decoder, weight = head
-        positions = position_ids(attention_mask)  # [N, L]
-        hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
-        ).last_hidden_state  # [N, L, H]
-        keep = attention_mask[:, -width:].bool()  # [N, C], the completion mask
-        scored = hidden[:, -width - 1 : -1][keep]  # [K, H]: position t predicts token t+1
-        logprobs, entropy = grpo.head_token_logprobs(
-            scored, weight, completion_ids[keep], temperature, with_entropy=with_entropy
-        )  # [K] each
-        logprobs = torch.zeros_like(keep, dtype=logprobs.dtype).masked_scatter(keep, logprobs)  # [N, C]
-        if entropy is not None:
-            entropy = torch.zeros_like(keep, dtype=entropy.dtype).masked_scatter(keep, entropy)  # [N, C]
-        return logprobs, entropy
-
-    @staticmethod
-    def _fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
-        """(decoder, LM-head weight) of a model whose logits are exactly `decoder(...) @ weight.T`, else None."""
-        config = getattr(model, "config", None)
-        if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
-            return None  # other families may cap, scale or bias their logits
-        head = model.get_output_embeddings()
-        if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:
-            return None  # an adapter on the head, or a sharded (DTensor) weight
-        return model.get_decoder(), head.weight
-
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        chunks = []
+        temperature, chunks = self.hparams.temperature, []
         for rows in self._row_chunks(input_ids.shape[0]):
             ids, attention = input_ids[rows], attention_mask[rows]
-            chunks.append(self._completion_logprobs(model, ids, attention, completion_ids[rows])[0])
+            chunks.append(completion_logprobs(model, ids, attention, completion_ids[rows], temperature)[0])
         return torch.cat(chunks)  # [N, C]
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from interleave_model import grpo
 from interleave_model.atomic import replacing_dir
 from interleave_model.export import BASE_MODEL_DIR, export
-from interleave_model.module import InterleaveGRPO
+from interleave_model.logprobs import completion_logits
 from interleave_model.policy import LoraSettings
 
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
@@ -21,7 +21,7 @@ def _logprobs(model, tokenizer) -> torch.Tensor:
     encoded = tokenizer(TEXTS, padding=True, return_tensors="pt")
     ids, mask = encoded["input_ids"], encoded["attention_mask"]  # [B, L] left-padded
     with torch.no_grad():
-        logits = InterleaveGRPO._completion_logits(model.eval(), ids, mask, width=ids.shape[1] - 1)  # [B, L-1, V]
+        logits = completion_logits(model.eval(), ids, mask, width=ids.shape[1] - 1)  # [B, L-1, V]
         return grpo.token_logprobs(logits, ids[:, 1:], temperature=1.0) * mask[:, 1:]
 
 

@@ -14,7 +14,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from interleave_model.grpo import head_token_logprobs, token_entropy, token_logprobs
-from interleave_model.module import InterleaveGRPO
+from interleave_model.logprobs import completion_logprobs, fused_head
 from interleave_model.policy import ALL_PROJECTIONS, LoraSettings, TinyModelConfig, apply_lora
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import _draw, sample, token_budget
@@ -235,9 +235,11 @@ def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_modul
 
     def score(fused: bool):
         module.policy.zero_grad()
-        head = InterleaveGRPO._fused_head(module.policy) if fused else None
-        with patch.object(InterleaveGRPO, "_fused_head", staticmethod(lambda model: head)):
-            logprobs, entropy = module._completion_logprobs(module.policy, ids, attention, completion, True)
+        head = fused_head(module.policy) if fused else None
+        with patch("interleave_model.logprobs.fused_head", lambda model: head):
+            logprobs, entropy = completion_logprobs(
+                module.policy, ids, attention, completion, module.hparams.temperature, with_entropy=True
+            )
         keep = attention[:, -5:].bool()
         (logprobs * keep).sum().backward()
         grads = {k: p.grad.clone() for k, p in module.policy.named_parameters() if p.grad is not None}

@@ -1,0 +1,69 @@
+"""Log-probs of a completion under a model: through the fused LM head when it has a plain one, else its logits."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from interleave_model import grpo
+from interleave_model.rollout import position_ids
+
+
+def completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
+    """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
+    positions = position_ids(attention_mask)  # [N, L]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=width + 1,
+        use_cache=False,  # else the forward keeps a copy of every layer's keys and values
+    )
+    return out.logits[:, :-1]  # position t predicts token t+1, so drop the last
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_ids: Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of the completion (the last C tokens of each row) and, when asked, the entropies: [N, C] each.
+
+    Through the fused LM head (`grpo.head_token_logprobs`) when the model has a plain one: only the completion
+    tokens go through the head, and no [N, C, V] logits (nor their gradient) are ever held; positions past the
+    completion mask get 0. Otherwise from the model's logits.
+    """
+    width = completion_ids.shape[1]
+    head = fused_head(model)
+    if head is None:
+        logits = completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
+        entropy = grpo.token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
+        return grpo.token_logprobs(logits, completion_ids, temperature), entropy
+    decoder, weight = head
+    positions = position_ids(attention_mask)  # [N, L]
+    hidden = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+    ).last_hidden_state  # [N, L, H]
+    keep = attention_mask[:, -width:].bool()  # [N, C], the completion mask
+    scored = hidden[:, -width - 1 : -1][keep]  # [K, H]: position t predicts token t+1
+    logprobs, entropy = grpo.head_token_logprobs(
+        scored, weight, completion_ids[keep], temperature, with_entropy=with_entropy
+    )  # [K] each
+    logprobs = torch.zeros_like(keep, dtype=logprobs.dtype).masked_scatter(keep, logprobs)  # [N, C]
+    if entropy is not None:
+        entropy = torch.zeros_like(keep, dtype=entropy.dtype).masked_scatter(keep, entropy)  # [N, C]
+    return logprobs, entropy
+
+
+def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
+    """(decoder, LM-head weight) of a model whose logits are exactly `decoder(...) @ weight.T`, else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+        return None  # other families may cap, scale or bias their logits
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:
+        return None  # an adapter on the head, or a sharded (DTensor) weight
+    return model.get_decoder(), head.weight
