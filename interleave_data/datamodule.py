@@ -42,6 +42,9 @@ class InterleaveDataModule(LightningDataModule):
         batch_size: Prompts per GRPO batch.
         sft_batch_size: Examples per SFT batch; None means ``batch_size``.
         sft_steps: Number of SFT batches before GRPO starts; 0 skips the warm-start.
+        sft_stages: Lengths the warm-start mixes, each example's length drawn uniformly from them; None means the
+            current stage only. A mix of lengths teaches an algorithm that carries a little past the longest one,
+            which is what lets GRPO climb a curriculum from there (see ``benchmarks/curriculum_vs_direct.py``).
         eval_batch_size: Prompts per validation / test / predict batch.
         replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
         eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
@@ -63,6 +66,7 @@ class InterleaveDataModule(LightningDataModule):
         batch_size: int = 4,
         sft_batch_size: int | None = None,
         sft_steps: int = 0,
+        sft_stages: Sequence[int] | None = None,
         eval_batch_size: int = 16,
         replay_fraction: float = 0.0,
         eval_stages: Sequence[int] | None = None,
@@ -83,6 +87,7 @@ class InterleaveDataModule(LightningDataModule):
         self.batch_size = batch_size
         self.sft_batch_size = batch_size if sft_batch_size is None else sft_batch_size
         self.sft_steps = sft_steps
+        self.sft_stages = None if sft_stages is None else check_lengths(sft_stages, "sft_stages")
         self.eval_batch_size = eval_batch_size
         self.replay_fraction = replay_fraction
         self.predict_split = predict_split
@@ -148,7 +153,8 @@ class InterleaveDataModule(LightningDataModule):
 
     def _lengths(self) -> dict[str, list[int]]:
         """``split -> lengths`` this module serves; splits asked for zero pairs are left out."""
-        lengths = {"train": self.stages, "val": self.eval_lengths, "test": self.eval_lengths}
+        train = self.stages if self.sft_stages is None else sorted(set(self.stages) | set(self.sft_stages))
+        lengths = {"train": train, "val": self.eval_lengths, "test": self.eval_lengths}
         return {split: ns for split, ns in lengths.items() if self.pairs[split] > 0}
 
     def _cache_args(self) -> tuple:
@@ -202,7 +208,10 @@ class InterleaveDataModule(LightningDataModule):
         self._apply_moves(k)
         rng = random.Random(f"{self.seed}:train:{k}:{rank}")
         if k < self.sft_steps:
-            return "sft", _sample(rng, self._train_pool(self.stage_words, "sft"), self.sft_batch_size)
+            if self.sft_stages is None:
+                return "sft", _sample(rng, self._train_pool(self.stage_words, "sft"), self.sft_batch_size)
+            pools = [self._train_pool(n, "sft") for n in self.sft_stages]
+            return "sft", [rng.choice(rng.choice(pools)) for _ in range(self.sft_batch_size)]
         # At least one prompt of each batch stays at the current stage, whatever the rounding.
         n_replay = min(round(self.replay_fraction * self.batch_size), self.batch_size - 1) if self.stage_index else 0
         batch = _sample(rng, self._train_pool(self.stage_words, "grpo"), self.batch_size - n_replay)

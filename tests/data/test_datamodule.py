@@ -101,6 +101,19 @@ def test_sft_batches_then_grpo_batches_from_disjoint_halves(tmp_path, tokenizer)
     assert len(grpo) <= len(train) // 2 + 1 and len(grpo) > len(train) // 4
 
 
+def test_sft_stages_mix_their_lengths_in_the_warm_start_only(tmp_path):
+    dm = make_dm(tmp_path, stages=[10, 25], sft_stages=[3, 4, 10], sft_batch_size=8, sft_steps=50)
+
+    sft = [e for k in range(50) for e in dm.sample_train_batch(k)[1]]
+    grpo = [e for k in range(50, 80) for e in dm.sample_train_batch(k)[1]]
+
+    counts = {n: sum(e.n_words == n for e in sft) for n in (3, 4, 10)}
+    assert sum(counts.values()) == len(sft) == 400 and min(counts.values()) > 90  # about a third each
+    assert {e.id for e in sft} <= {e.id for n in (3, 4, 10) for e in dm._train_pool(n, "sft")}
+    assert {e.n_words for e in grpo} == {10}  # GRPO stays at the stage; 3 and 4 are not curriculum stages
+    assert len(dm.examples(3, "val")) == 0  # nor evaluation lengths
+
+
 def test_without_warm_start_grpo_draws_from_all_train_pairs(tmp_path):
     dm = make_dm(tmp_path, batch_size=4)
 
