@@ -1,6 +1,8 @@
 """A direct jump to a long stage vs the curriculum, on the CPU tiny model. Prints one JSON line.
 
-Both arms start from the same supervised warm-start at the first stage and get the same GRPO step budget:
+Both arms start from the same supervised warm-start and get the same GRPO step budget. The warm start mixes the
+lengths 2 .. the first stage (`--sft-stages`), as a pretrained model has seen texts of every length; a warm start at
+the first stage alone learns position shortcuts that give GRPO no foothold even two words further.
 
 - `direct` trains at the long stage only, as a run started by hand there would;
 - `curriculum` moves through the stages with CurriculumCallback, whose collapse watch responds as configured
@@ -12,7 +14,7 @@ G completions are all identical, and the mean completion length in words; the sa
 those with at least one zero-variance group; the curriculum's transitions and stop message; and the held-out greedy
 score at the first and at the long stage at the end.
 
-    python benchmarks/curriculum_vs_direct.py [--stages 10 25 50] [--sft-steps 1200] [--grpo-steps 60]
+    python benchmarks/curriculum_vs_direct.py [--stages 10 12 14 16 18 20] [--sft-steps 3000] [--grpo-steps 1200]
         [--warm-from a_warm_start.ckpt]
 """
 
@@ -76,7 +78,8 @@ def _module(args, **overrides) -> InterleaveGRPO:
     tiny = TinyModelConfig(hidden_size=width, num_layers=args.layers, num_heads=4, intermediate_size=2 * width)
     kwargs = dict(
         tiny=tiny, template="compact", num_generations=args.num_generations, learning_rate=args.learning_rate,
-        sft_learning_rate=args.sft_learning_rate, lr_schedule="constant", warmup_steps=20, beta=0.04, seed=args.seed,
+        sft_learning_rate=args.sft_learning_rate, lr_schedule="constant", warmup_steps=20, beta=0.04,
+        seed=args.model_seed,
     )  # fmt: skip
     return InterleaveGRPO(**(kwargs | overrides))
 
@@ -101,7 +104,8 @@ def warm_start(args, folder: Path) -> Path:
     L.seed_everything(args.seed, verbose=False)
     module = _module(args, sft_steps=args.sft_steps)
     trainer = _trainer(args.sft_steps)
-    trainer.fit(module, datamodule=_datamodule(args, args.stages[:1], sft_steps=args.sft_steps))
+    dm = _datamodule(args, args.stages[:1], sft_steps=args.sft_steps, sft_stages=args.sft_stages)
+    trainer.fit(module, datamodule=dm)
     path = folder / "warm.ckpt"
     trainer.save_checkpoint(path)
     return path
@@ -161,28 +165,32 @@ def run_arm(args, warm: Path, stages: list[int], curriculum: bool) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--stages", type=int, nargs="+", default=[10, 25, 50], help="the last is the long stage")
-    parser.add_argument("--sft-steps", type=int, default=1200, help="warm-start batches of 32 at the first stage")
+    stages = [10, 12, 14, 16, 18, 20]
+    parser.add_argument("--stages", type=int, nargs="+", default=stages, help="the last is the long stage")
+    parser.add_argument("--sft-steps", type=int, default=3000, help="warm-start batches of 32")
+    parser.add_argument("--sft-stages", type=int, nargs="+", default=None, help="warm-start lengths (2 .. first stage)")
     parser.add_argument("--warm-from", default=None, help="reuse a warm-start .ckpt of this shape instead")
-    parser.add_argument("--grpo-steps", type=int, default=60, help="GRPO step budget of each arm")
+    parser.add_argument("--grpo-steps", type=int, default=1200, help="GRPO step budget of each arm")
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--learning-rate", type=float, default=1e-4)
+    parser.add_argument("--learning-rate", type=float, default=3e-4)
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--train-pairs", type=int, default=20000)
-    parser.add_argument("--threshold", type=float, default=0.5, help="rolling mean reward that ends a stage")
+    parser.add_argument("--threshold", type=float, default=0.45, help="rolling mean reward that ends a stage")
     parser.add_argument("--patience", type=int, default=5)
     parser.add_argument("--min-steps", type=int, default=10)
     parser.add_argument("--collapse-patience", type=int, default=5)
     parser.add_argument("--on-collapse", default="step_back")
     parser.add_argument("--max-collapse-responses", type=int, default=2)
     parser.add_argument("--replay-fraction", type=float, default=0.25)
-    parser.add_argument("--bin", type=int, default=10, help="GRPO batches per reported bin")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bin", type=int, default=100, help="GRPO batches per reported bin")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the data (split, pairs, stream)")
+    parser.add_argument("--model-seed", type=int, default=1, help="seeds the tiny model's init and the sampling")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared CPU)")
     args = parser.parse_args()
+    args.sft_stages = args.sft_stages or list(range(2, args.stages[0] + 1))
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
@@ -196,6 +204,7 @@ def main() -> None:
         "long_stage_words": args.stages[-1],
         "warm_start": {
             "stage_words": args.stages[0],
+            "sft_stages": None if args.warm_from else args.sft_stages,
             "sft_steps": None if args.warm_from else args.sft_steps,
             "held_out_score": warm_score,
         },
