@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from lightning import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 
+from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.export import export, load_weights
 from interleave_model.module import InterleaveGRPO
+from interleave_model.policy import PolicyError
 from interleave_model.writers import EvaluationReport, PredictionWriter
+
+# Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError)
 
 # Model arguments that say how to evaluate, not what was trained: a checkpoint's values never replace them.
 EVALUATION_KEYS = ("eval_num_samples", "eval_temperature", "pass_k", "pass_threshold")
@@ -83,5 +89,15 @@ def main(args: list[str] | None = None) -> InterleaveCLI:
     )
 
 
+def run(args: list[str] | None = None) -> int:
+    """`main`, with the user's own mistakes reported as one `error:` line and exit status 2."""
+    try:
+        main(args)
+    except USER_ERRORS as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(run())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from cli import main
+from cli import main, run
 from tests.conftest import TINY_CONFIG
 
 SCALARS = [
@@ -46,3 +46,13 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
     assert exit_.value.code != 0
     error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(error) == 1 and "num_generationz" in error[0]
+
+
+def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
+    missing = tmp_path / "no_such_run" / "last.ckpt"
+    args = ["fit", "--config", str(TINY_CONFIG), f"--model.init_from={missing}", "--trainer.logger=false"]
+
+    assert run(args) == 2
+
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: model.init_from: {missing} does not exist"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import cli
 from cli import main
 from interleave_model.alignment import align
 from tests.conftest import TINY_CONFIG
@@ -79,6 +80,21 @@ def test_export_a_checkpoint_loads_with_from_pretrained(run, tmp_path):
         torch.testing.assert_close(value, weights[name], rtol=0, atol=0, msg=name)
     info = json.loads((tmp_path / "hf" / "export.json").read_text())
     assert info["checkpoint"] == str(checkpoint) and info["global_step"] == 4
+
+
+def test_export_into_a_folder_of_other_files_is_refused_in_one_line(run, tmp_path, capsys):
+    root, checkpoint = run
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's own")
+
+    args = ["export", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", f"--output_dir={mine}"]
+    assert cli.run(args) == 2
+
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {mine}: exists and is not a folder this writes; choose a new or an empty folder"
+    ]
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 
 def test_eval_config_evaluates_an_untrained_model(tmp_path):
