@@ -2,7 +2,8 @@
 
 Both arms start from the same supervised warm-start and get the same GRPO step budget. The warm start mixes the
 lengths 2 .. the first stage (`--sft-stages`), as a pretrained model has seen texts of every length; a warm start at
-the first stage alone learns position shortcuts that give GRPO no foothold even two words further.
+the first stage alone learns position shortcuts that give GRPO no foothold even two words further. The statistics
+describe each batch as drawn, before any `--dynamic-sampling` refill.
 
 - `direct` trains at the long stage only, as a run started by hand there would;
 - `curriculum` moves through the stages with CurriculumCallback, whose collapse watch responds as configured
@@ -15,7 +16,9 @@ those with at least one zero-variance group; the curriculum's transitions and st
 score at the first and at the long stage at the end.
 
     python benchmarks/curriculum_vs_direct.py [--stages 10 12 14 16 18 20] [--sft-steps 3000] [--grpo-steps 1200]
-        [--warm-from a_warm_start.ckpt]
+        [--warm-from a_warm_start.ckpt] [--arms direct curriculum] [--dynamic-sampling ROUNDS]
+
+Measured (defaults, 2-core CPU, about 25 minutes) in README.md, "The curriculum, measured".
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.callbacks import CurriculumCallback
+from interleave_model.dynamic_sampling import DynamicSampling
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TinyModelConfig
 
@@ -111,9 +115,14 @@ def warm_start(args, folder: Path) -> Path:
     return path
 
 
+# each arm's stages: the direct arm trains at the long stage only
+ARMS = {"direct": lambda stages: stages[-1:], "curriculum": lambda stages: stages}
+
+
 def run_arm(args, warm: Path, stages: list[int], curriculum: bool) -> dict:
     L.seed_everything(args.seed, verbose=False)
-    module = _module(args, init_from=str(warm))
+    dynamic = DynamicSampling(max_rounds=args.dynamic_sampling) if args.dynamic_sampling else None
+    module = _module(args, init_from=str(warm), dynamic_sampling=dynamic)
     dm = _datamodule(args, stages, replay_fraction=args.replay_fraction if curriculum else 0.0)
     recorder = Recorder(args.threshold)
     callbacks: list[L.Callback] = [recorder]
@@ -188,6 +197,8 @@ def main() -> None:
     parser.add_argument("--bin", type=int, default=100, help="GRPO batches per reported bin")
     parser.add_argument("--seed", type=int, default=0, help="seeds the data (split, pairs, stream)")
     parser.add_argument("--model-seed", type=int, default=1, help="seeds the tiny model's init and the sampling")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS), help="which arms to run")
+    parser.add_argument("--dynamic-sampling", type=int, default=0, help="refill rounds of DAPO dynamic sampling; 0 off")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared CPU)")
     args = parser.parse_args()
     args.sft_stages = args.sft_stages or list(range(2, args.stages[0] + 1))
@@ -197,8 +208,7 @@ def main() -> None:
         args.cache_dir = os.path.join(folder, "cache")
         warm = Path(args.warm_from) if args.warm_from else warm_start(args, Path(folder))
         warm_score = held_out_score(_module(args, init_from=str(warm)), args, args.stages[0])
-        direct = run_arm(args, warm, args.stages[-1:], curriculum=False)
-        curriculum = run_arm(args, warm, args.stages, curriculum=True)
+        arms = {arm: run_arm(args, warm, ARMS[arm](args.stages), arm == "curriculum") for arm in args.arms}
     result = {
         "benchmark": "curriculum_vs_direct",
         "long_stage_words": args.stages[-1],
@@ -210,8 +220,8 @@ def main() -> None:
         },
         "grpo_steps": args.grpo_steps,
         "bin_batches": args.bin,
-        "direct": direct,
-        "curriculum": curriculum,
+        "dynamic_sampling_rounds": args.dynamic_sampling,
+        **arms,
         "model": {"width": args.width, "layers": args.layers, "num_generations": args.num_generations},
         "batch_size": args.batch_size,
         "torch": torch.__version__,
