@@ -33,13 +33,15 @@ BASE_MODEL_DIR = "base_model"
 
 
 def load_weights(module: torch.nn.Module, ckpt_path: str | os.PathLike) -> dict:
-    """Load a Lightning checkpoint's weights into `module` (strictly); returns the checkpoint.
+    """Load a Lightning checkpoint's weights into `module`; returns the checkpoint.
+
+    Every key must fit; only a LoRA checkpoint may lack the frozen base, which the module loaded from disk.
 
     The checkpoint is unpickled (it holds the hyperparameters' dataclasses): load only checkpoints you trust.
     """
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     module.on_load_checkpoint(checkpoint)  # creates the frozen reference if the checkpoint has one
-    module.load_state_dict(checkpoint["state_dict"])
+    module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
     return checkpoint
 
 

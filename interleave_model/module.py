@@ -19,7 +19,7 @@ from interleave_data.corpus import load_corpus
 from interleave_data.prompts import format_prompt
 from interleave_model import grpo
 from interleave_model.alignment import align
-from interleave_model.checkpoint import load_initial_weights
+from interleave_model.checkpoint import BASE_OMITTED, check_weight_keys, frozen_weight_keys, load_initial_weights
 from interleave_model.dynamic_sampling import DynamicSampling, refill
 from interleave_model.evaluation import SampledAnswers, length_row, resolve_pass_k
 from interleave_model.logprobs import completion_logits, completion_logprobs
@@ -190,6 +190,9 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
+        # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
+        # are checked in on_load_checkpoint instead)
+        self.strict_loading = not self._base_from_disk()
 
     def _load_policy(self, tiny: TinyModelConfig):
         hp = self.hparams
@@ -279,8 +282,16 @@ class InterleaveGRPO(L.LightningModule):
         if self.device.type == "cuda":
             checkpoint["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         checkpoint["skipped_steps"] = self.skipped_steps
+        if self._base_from_disk():
+            omitted = frozen_weight_keys(self.policy, prefix="policy.")
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in omitted}
+            checkpoint[BASE_OMITTED] = self.hparams.model_name_or_path
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        if BASE_OMITTED in checkpoint:
+            expected, omitted = set(self.state_dict()), frozen_weight_keys(self.policy, prefix="policy.")
+            base = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
+            check_weight_keys(set(checkpoint["state_dict"]), expected, omitted, base)
         if "sampling_rng" in checkpoint:
             self._generator().set_state(checkpoint["sampling_rng"])
         if "torch_rng" in checkpoint:
@@ -535,6 +546,10 @@ class InterleaveGRPO(L.LightningModule):
             return hp.sft_learning_rate * lr_factor(self.global_step, hp.warmup_steps, hp.sft_steps, "cosine")
         step, total = self.global_step - hp.sft_steps, self.trainer.max_steps - hp.sft_steps
         return hp.learning_rate * lr_factor(max(step, 0), hp.warmup_steps, total, hp.lr_schedule)
+
+    def _base_from_disk(self) -> bool:
+        """LoRA on a model that `from_pretrained` loads again: its frozen base need not be in checkpoints."""
+        return is_peft(self.policy) and self.hparams.model_name_or_path != TINY
 
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:
