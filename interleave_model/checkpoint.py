@@ -53,20 +53,26 @@ def frozen_weight_keys(model: torch.nn.Module, prefix: str = "") -> set[str]:
 
     Computed from the state dict, not from `named_parameters`, so tied weights (Llama-3.2's `lm_head.weight`) count.
     """
-    trainable = {prefix + name for name, p in model.named_parameters() if p.requires_grad}
-    return {prefix + key for key in model.state_dict()} - trainable
+    return {prefix + key for key in model.state_dict()} - _trainable_keys(model, prefix)
 
 
-def check_weight_keys(loaded: set[str], expected: set[str], omitted: set[str], source: str) -> None:
-    """Refuse a state dict with keys the model lacks, or missing keys other than the `omitted` frozen ones.
+def check_weight_keys(model: torch.nn.Module, loaded: set[str], source: str, prefix: str = "") -> None:
+    """Refuse weights that name a key `model` lacks or leave out one of its trainable weights.
+
+    Its frozen weights (`frozen_weight_keys`) may be left out: a LoRA checkpoint holds only the adapter.
 
     Raises:
         PolicyError: Naming the source and up to three offending keys.
     """
-    unexpected, missing = sorted(loaded - expected), sorted(expected - loaded - omitted)
+    expected = {prefix + key for key in model.state_dict()}
+    unexpected, missing = sorted(loaded - expected), sorted(_trainable_keys(model, prefix) - loaded)
     if unexpected or missing:
         what = f"unexpected {unexpected[:3]}" if unexpected else f"missing {missing[:3]}"
         raise PolicyError(f"{source}: weights do not fit this model: {what}")
+
+
+def _trainable_keys(model: torch.nn.Module, prefix: str) -> set[str]:
+    return {prefix + name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
@@ -90,8 +96,7 @@ def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
             _load(policy, weights, path)
             return
         # a LoRA run on a base from disk: the checkpoint holds the adapter; this policy loaded the base itself
-        expected, frozen = set(policy.state_dict()), frozen_weight_keys(policy)
-        check_weight_keys(set(weights), expected, frozen, f"model.init_from: {path}")
+        check_weight_keys(policy, set(weights), f"model.init_from: {path}")
         policy.load_state_dict(weights, strict=False)
     elif (path / "adapter_config.json").exists():
         if not is_peft(policy):

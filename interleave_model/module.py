@@ -289,9 +289,8 @@ class InterleaveGRPO(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if BASE_OMITTED in checkpoint:
-            expected, omitted = set(self.state_dict()), frozen_weight_keys(self.policy, prefix="policy.")
-            base = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
-            check_weight_keys(set(checkpoint["state_dict"]), expected, omitted, base)
+            source = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
+            check_weight_keys(self.policy, set(checkpoint["state_dict"]), source, prefix="policy.")
         if "sampling_rng" in checkpoint:
             self._generator().set_state(checkpoint["sampling_rng"])
         if "torch_rng" in checkpoint:
