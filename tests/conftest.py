@@ -62,3 +62,18 @@ def make_datamodule(tmp_path):
         return dm
 
     return make
+
+
+@pytest.fixture(scope="session")
+def family_folders(tmp_path_factory) -> dict[str, Path]:
+    """Model folders following Llama-3, Qwen2 and GPT-2 conventions (tests/families.py), built once per session."""
+    from tests.families import FAMILIES, build_family
+
+    root = tmp_path_factory.mktemp("families")
+    return {name: build_family(name, root / name) for name in FAMILIES}
+
+
+@pytest.fixture(params=["llama3", "qwen2", "gpt2"])
+def family(request, family_folders) -> tuple[str, Path]:
+    """Each real-family model folder in turn: `(name, folder)`."""
+    return request.param, family_folders[request.param]
