@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
-from lightning import LightningDataModule, LightningModule, Trainer
+from lightning import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.export import export, load_weights
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
+from interleave_model.runs import RunError, config_filename, place_run
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError)
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError)
 
 # Model arguments that say how to evaluate, not what was trained: a checkpoint's values never replace them.
 EVALUATION_KEYS = ("eval_num_samples", "eval_temperature", "pass_k", "pass_threshold")
@@ -55,18 +59,39 @@ class InterleaveCLI(LightningCLI):
         return LightningCLI.subcommands() | {"export": {"model", "datamodule"}}
 
     def _parse_ckpt_path(self) -> None:
-        """Build the model from the checkpoint's hyperparameters, as Lightning does, except the evaluation settings.
+        """Place the run, then build the model from the checkpoint's hyperparameters, except the evaluation settings.
+
+        The run's folder comes first (`interleave_model.runs`): it resolves `--ckpt_path last` to a file, whose
+        hyperparameters are then read as those of any checkpoint named by its path.
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
         pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.eval_num_samples 8` would silently
         evaluate with the training run's settings. How to evaluate belongs to this run: those keys keep its values.
         """
         subcommand = self.config.get("subcommand")
+        if subcommand:
+            self._place_run(subcommand)
         model = self.config[subcommand]["model"] if subcommand else {}
         keep = {key: model[key] for key in EVALUATION_KEYS if key in model}
         super()._parse_ckpt_path()
         for key, value in keep.items():
             self.config[subcommand]["model"][key] = value
+
+    def _place_run(self, subcommand: str) -> None:
+        """One folder per run: a `fit` that continues a run of this config writes on into it, config included."""
+        continued = place_run(self.config[subcommand], subcommand)
+        if continued is not None:
+            self.save_config_kwargs["config_filename"] = config_filename(continued)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list[Callback]) -> Trainer:
+        """Always the console summary; the step progress bar unless the config turns bars off or names its own."""
+        given = config.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        callbacks = [*callbacks, ConsoleSummary()]
+        bar_wanted = config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
+        if bar_wanted and not any(isinstance(c, ProgressBar) for c in given + callbacks):
+            callbacks.append(StepProgressBar())
+        return super()._instantiate_trainer(config, callbacks)
 
     def add_arguments_to_parser(self, parser) -> None:
         # the tiny model's tokenizer is built from the same corpus and template the data uses
@@ -79,13 +104,15 @@ class InterleaveCLI(LightningCLI):
 
 
 def main(args: list[str] | None = None) -> InterleaveCLI:
-    """Run the CLI; `args` replaces sys.argv (tests call `main([...])`)."""
+    """Run the CLI; `args` replaces sys.argv (tests call `main([...])`). Quiet unless `LOGLEVEL` is set."""
+    configure_console()
     return InterleaveCLI(
         InterleaveGRPO,
         InterleaveDataModule,
         trainer_class=InterleaveTrainer,
         args=args,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults={"enable_model_summary": False},  # quiet by default; its FLOPs column reads 0 here
     )
 
 

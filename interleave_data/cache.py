@@ -6,9 +6,11 @@ build is never served. (``Dataset.from_generator`` would key its cache by the ge
 
 import hashlib
 import json
+import logging
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
@@ -80,7 +82,8 @@ def build_cache(
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
-        dataset.save_to_disk(str(staging))
+        with _progress_bars():
+            dataset.save_to_disk(str(staging))
         try:
             staging.rename(path)
         except OSError:
@@ -94,7 +97,25 @@ def build_cache(
 def load_cache(path: Path) -> dict[tuple[int, str], list[Example]]:
     """Reads a cache folder back as ``(n_words, split) -> examples``, in build order."""
     pools: dict[tuple[int, str], list[Example]] = {}
-    for row in datasets.load_from_disk(str(path)).to_list():
+    with _progress_bars():
+        rows = datasets.load_from_disk(str(path)).to_list()
+    for row in rows:
         example = Example.from_dict(row)
         pools.setdefault((example.n_words, example.split), []).append(example)
     return pools
+
+
+@contextmanager
+def _progress_bars() -> Iterator[None]:
+    """Hide `datasets`' progress bars unless this module logs at INFO (`LOGLEVEL=INFO`, interleave_model/console.py).
+
+    A build takes about a second; its bars would otherwise fill the console of every run.
+    """
+    if logging.getLogger(__name__).isEnabledFor(logging.INFO) or not datasets.is_progress_bar_enabled():
+        yield
+        return
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.enable_progress_bars()

@@ -21,6 +21,7 @@ from interleave_data.curriculum import Stage
 from interleave_data.datamodule import batches_run
 from interleave_model.alignment import align
 from interleave_model.export import export
+from interleave_model.samples import sample_markdown
 
 COLLAPSE_RESPONSES = ("raise_temperature", "step_back", "stop")
 
@@ -332,7 +333,7 @@ class SampleDump(L.Callback):
 
     Written by rank 0 to `<run>/<filename>` (appended, so a resumed run adds to it) and to TensorBoard text:
     prompt, target, completion, reward and the first-error position (the target word where the completion first
-    departs from it).
+    departs from it); in TensorBoard each text is whole and the departing word is marked (`samples.sample_markdown`).
 
     Args:
         every_n_steps: Batches between dumps.
@@ -374,13 +375,13 @@ class SampleDump(L.Callback):
             first_error, n_target = align(completion, target).first_error, len(target.split())
             head = f"{name}: reward {reward:.3f}, first error at word {first_error}/{n_target}, {n_words} words"
             lines += [f"=== step {step} {head}", f"prompt: {prompt}", f"target: {target}", f"completion: {completion}"]
-            markdown.append(f"**{head}**\n\n" + "\n".join(f"    {x}" for x in lines[-3:]))
+            markdown.append(sample_markdown(f"step {step} {head}", prompt, target, completion))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write("\n".join(line.replace("\n", "\\n") for line in lines) + "\n\n")
         for logger in trainer.loggers:
             if isinstance(logger, TensorBoardLogger):
-                logger.experiment.add_text("samples", "\n\n".join(markdown), step)
+                logger.experiment.add_text("samples", "\n\n---\n\n".join(markdown), step)
 
 
 def _per_stage(value, name: str, lengths: list[int]) -> list:

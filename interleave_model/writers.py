@@ -14,6 +14,7 @@ import lightning as L
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
 from interleave_model.atomic import replacing
@@ -71,7 +72,8 @@ class EvaluationReport(Callback):
                 experiment = getattr(logger, "experiment", None)
                 if hasattr(experiment, "add_figure"):
                     experiment.add_figure(f"{results['split']}/curve", figure, global_step=results["step"], close=False)
-        rank_zero_info(f"evaluation report: {path} (and report.md)")
+        # rewritten at every validation: the console summary names it once, at the end
+        rank_zero_debug(f"evaluation report: {path} (and report.md)")
 
 
 class PredictionWriter(BasePredictionWriter):

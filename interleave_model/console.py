@@ -1,0 +1,193 @@
+"""What a run prints: quiet by default, one line per evaluation, and a summary at the end of fit / validate / test.
+
+`LOGLEVEL` (a Python logging level name: DEBUG, INFO, WARNING) turns the quiet mode off: every message, warning and
+progress bar of Lightning, transformers and datasets comes back, at that level. Left unset, the known harmless ones
+below are filtered, each for the reason given beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_only
+from typing_extensions import override
+
+from interleave_model.callbacks import CurriculumCallback
+
+# Python warnings filtered in quiet mode (regular expressions matched against the start of the message).
+QUIET_WARNINGS = (
+    # Lightning 2.6's own pytree helper calls an API torch >= 2.10 deprecates; nothing in this project to change
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # a resumed run writes on into its own checkpoints/ folder: that is the point, not a clash
+    r"Checkpoint directory .* exists and is not empty",
+)
+
+# Lightning info lines dropped in quiet mode (matched against the start of the message).
+QUIET_INFO = (
+    "GPU available:",  # device detection: the accelerator is in the run's config.yaml
+    "TPU available:",
+    "HPU available:",
+    "LOCAL_RANK:",  # CUDA_VISIBLE_DEVICES per rank, a debugging aid
+    "💡 Tip:",  # an advertisement for a hosted service
+    "Seed set to",  # the seed is in the run's config.yaml
+    "You are using a CUDA device",  # the float32 matmul precision tip: the GPU configs compute in bf16
+)
+KEYS = ("score", "exact_match")  # the two measures the console shows, from the module's `eval_results` rows
+LIGHTNING_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                     "lightning.fabric.utilities.seed")  # fmt: skip
+
+
+class _DropKnownInfo(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.INFO or not str(record.msg).lstrip().startswith(QUIET_INFO)
+
+
+_DROP = _DropKnownInfo()
+
+
+def configure_console(level: str | None = None) -> None:
+    """Quiet console unless `level` (default: the `LOGLEVEL` environment variable) names a logging level."""
+    level = (level or os.environ.get("LOGLEVEL") or "").upper() or None
+    import datasets
+    import transformers
+
+    if level is not None:
+        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+        logging.getLogger().setLevel(level)
+        logging.getLogger("lightning").setLevel(level)
+        transformers.utils.logging.set_verbosity(logging.getLevelName(level))
+        datasets.utils.logging.set_verbosity(logging.getLevelName(level))
+        for name in LIGHTNING_LOGGERS:
+            logging.getLogger(name).removeFilter(_DROP)
+        return
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+    for name in LIGHTNING_LOGGERS:
+        logging.getLogger(name).addFilter(_DROP)
+    transformers.utils.logging.disable_progress_bar()  # "Writing model shards" at every stage export
+
+
+class StepProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without the epoch count a run bounded by steps does not have (`Epoch 0/-2`)."""
+
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
+            return f"{'Training':{len(self.validation_description)}}"
+        return super()._get_train_description(current_epoch)
+
+    @override
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)  # the run folder is printed at the end
+        if isinstance(items.get("stage"), float):
+            items["stage"] = int(items["stage"])  # words per fragment, logged as a float
+        return items
+
+
+class ConsoleSummary(L.Callback):
+    """One line per held-out evaluation during `fit`; at the end of `fit`, `validate` and `test`, what happened.
+
+    The summary gives, per evaluated length, the alignment score and exact match (and, after `fit`, the change since
+    the run's first evaluation, kept in the checkpoint so a resumed run compares with the same one), the stage
+    reached, the run folder and the TensorBoard command. Rank 0 prints.
+    """
+
+    def __init__(self) -> None:
+        self.first: dict | None = None  # the run's first evaluation: {"step", "lengths"}
+        self.last: dict | None = None
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self._take(pl_module):
+            return
+        if trainer.state.fn == TrainerFn.FITTING:
+            first, self.first = self.first, self.first or self.last
+            _say(evaluation_line(self.last, first, _stage(trainer)))
+        else:
+            _say(self._summary(trainer, "validate"))
+
+    @override
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._take(pl_module):
+            _say(self._summary(trainer, "test"))
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        _say(self._summary(trainer, "fit"))
+
+    @override
+    def state_dict(self) -> dict:
+        return {"first": self.first}
+
+    @override
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.first = state_dict.get("first")
+
+    def _take(self, pl_module: L.LightningModule) -> bool:
+        results = getattr(pl_module, "eval_results", None)
+        if not results or not results["lengths"]:
+            return False
+        self.last = {"split": results["split"], "step": results["step"], "lengths": results["lengths"]}
+        return True
+
+    def _summary(self, trainer: L.Trainer, command: str) -> str:
+        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        step = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")
+        lines = [f"{command} done: {step}, stage {_stage(trainer)}"]
+        if self.last is not None:
+            first = self.first if command == "fit" and self.first is not self.last else None
+            lines += score_table(self.last, first)
+        lines += [f"run folder: {run_dir}"]
+        if trainer.logger is not None:
+            lines += [f"tensorboard --logdir {run_dir.parent}"]
+        return "\n".join(lines)
+
+
+def evaluation_line(results: dict, first: dict | None, stage: str) -> str:
+    """`step 200  val 10w 0.994 (+0.210) exact 0.91 (+0.41)  stage 10 words`: one evaluation on one line."""
+    cells = [f"{row['n_words']}w {_measures(row, before)}" for row, before in _with_first(results, first)]
+    return f"step {results['step']}  {results['split']} " + ", ".join(cells) + f"  stage {stage}"
+
+
+def score_table(results: dict, first: dict | None) -> list[str]:
+    """The summary's rows: per length the score and exact match, and the change since `first` when given."""
+    since = f", change since step {first['step']}" if first is not None else ""
+    lines = [f"held-out {results['split']} at step {results['step']} (alignment score, exact match{since}):"]
+    for row, before in _with_first(results, first):
+        lines.append(f"  {row['n_words']:>4} words  {_measures(row, before)}  ({row['pairs']} pairs)")
+    return lines
+
+
+def _with_first(results: dict, first: dict | None) -> list[tuple[dict, dict | None]]:
+    before = {row["n_words"]: row for row in first["lengths"]} if first is not None else {}
+    return [(row, before.get(row["n_words"])) for row in results["lengths"]]
+
+
+def _measures(row: dict, before: dict | None) -> str:
+    """`0.994 (+0.210) exact 0.910 (+0.410)`: the score and exact match, with their change since `before`."""
+    score, exact = (f"{row[key]:.3f}" + (f" ({row[key] - before[key]:+.3f})" if before else "") for key in KEYS)
+    return f"{score} exact {exact}"
+
+
+def _stage(trainer: L.Trainer) -> str:
+    """The stage the run has reached: the curriculum's, else the DataModule's current stage."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, CurriculumCallback) and callback.stages:
+            state = callback.state
+            words = callback.stages[state.stage_index].n_words
+            what = " (stopped)" if state.stopped else " (learned, the last)" if state.done else ""
+            return f"{words} words, {state.stage_index + 1} of {len(callback.stages)}{what}"
+    words = getattr(trainer.datamodule, "stage_words", None)
+    return f"{words} words" if words is not None else "-"
+
+
+@rank_zero_only
+def _say(text: str) -> None:
+    print(text, flush=True)
