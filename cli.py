@@ -93,6 +93,12 @@ class InterleaveCLI(LightningCLI):
             callbacks.append(StepProgressBar())
         return super()._instantiate_trainer(config, callbacks)
 
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        if subcommand in ("validate", "test"):
+            parser.set_defaults(verbose=False)  # the console summary replaces Lightning's table of every metric
+        return parser
+
     def add_arguments_to_parser(self, parser) -> None:
         # the tiny model's tokenizer is built from the same corpus and template the data uses
         parser.link_arguments("data.corpus", "model.corpus")

@@ -26,6 +26,13 @@ QUIET_WARNINGS = (
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
     # a resumed run writes on into its own checkpoints/ folder: that is the point, not a clash
     r"Checkpoint directory .* exists and is not empty",
+    # the module optimizes by hand and a checkpoint holds the state after the step, with global_step counting
+    # completed steps: exactly what an exact resume needs (module.py, tests/test_resume.py)
+    r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
+    # a resumed run restores the frozen KL reference, kept in eval mode on purpose (no dropout in the reference)
+    r"Found \d+ module\(s\) in eval mode at the start of training",
+    # an evaluation of a checkpoint is a run of its own, with its own folder: the training run's is not reused
+    r"The dirpath has changed from",
 )
 
 # Lightning info lines dropped in quiet mode (matched against the start of the message).
@@ -65,12 +72,19 @@ def configure_console(level: str | None = None) -> None:
         datasets.utils.logging.set_verbosity(logging.getLevelName(level))
         for name in LIGHTNING_LOGGERS:
             logging.getLogger(name).removeFilter(_DROP)
+        warnings.filters[:] = [f for f in warnings.filters if not _is_quiet_filter(f)]
+        transformers.utils.logging.enable_progress_bar()
         return
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
     for name in LIGHTNING_LOGGERS:
         logging.getLogger(name).addFilter(_DROP)
     transformers.utils.logging.disable_progress_bar()  # "Writing model shards" at every stage export
+
+
+def _is_quiet_filter(entry: tuple) -> bool:
+    action, message = entry[0], entry[1]
+    return action == "ignore" and message is not None and message.pattern in QUIET_WARNINGS
 
 
 class StepProgressBar(RichProgressBar):
@@ -100,12 +114,18 @@ class ConsoleSummary(L.Callback):
     """
 
     def __init__(self) -> None:
-        self.first: dict | None = None  # the run's first evaluation: {"step", "lengths"}
+        self.first: dict | None = None  # the run's first evaluation: {"split", "step", "lengths"}
         self.last: dict | None = None
+        self._checkpoint_step: int | None = None
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        # validate / test do not restore the loops: the module's global_step would read 0
+        self._checkpoint_step = checkpoint.get("global_step")
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or not self._take(pl_module):
+        if trainer.sanity_checking or not self._take(trainer, pl_module):
             return
         if trainer.state.fn == TrainerFn.FITTING:
             first, self.first = self.first, self.first or self.last
@@ -115,7 +135,7 @@ class ConsoleSummary(L.Callback):
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._take(pl_module):
+        if self._take(trainer, pl_module):
             _say(self._summary(trainer, "test"))
 
     @override
@@ -130,17 +150,24 @@ class ConsoleSummary(L.Callback):
     def load_state_dict(self, state_dict: dict) -> None:
         self.first = state_dict.get("first")
 
-    def _take(self, pl_module: L.LightningModule) -> bool:
+    def _take(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         results = getattr(pl_module, "eval_results", None)
         if not results or not results["lengths"]:
             return False
-        self.last = {"split": results["split"], "step": results["step"], "lengths": results["lengths"]}
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        step = results["step"] if fitting or self._checkpoint_step is None else self._checkpoint_step
+        self.last = {"split": results["split"], "step": step, "lengths": results["lengths"]}
         return True
 
     def _summary(self, trainer: L.Trainer, command: str) -> str:
         run_dir = Path(trainer.log_dir or trainer.default_root_dir)
-        step = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")
-        lines = [f"{command} done: {step}, stage {_stage(trainer)}"]
+        if command == "fit":
+            done = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")
+        elif trainer.ckpt_path:
+            done = f"checkpoint {trainer.ckpt_path} (step {self._checkpoint_step})"
+        else:
+            done = "no checkpoint (the weights as the config builds them)"
+        lines = [f"{command} done: {done}, stage {_stage(trainer)}"]
         if self.last is not None:
             first = self.first if command == "fit" and self.first is not self.last else None
             lines += score_table(self.last, first)

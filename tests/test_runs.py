@@ -1,0 +1,107 @@
+"""One folder per run: two runs of a config never touch each other, `--ckpt_path last` continues the newest in place.
+
+The tests share two fits of the tiny config (a named RunLogger and a ModelCheckpoint, as the shipped configs have)
+and run in file order: the last one continues the second run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from cli import main, run
+from tests.conftest import TINY_CONFIG
+
+RUN_CONFIG = """
+trainer:
+  logger: {class_path: interleave_model.runs.RunLogger, init_args: {name: tiny}}
+  callbacks:
+    - class_path: lightning.pytorch.callbacks.ModelCheckpoint
+      init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 2}
+"""
+
+
+def _hashes(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("checkpoints/*"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two fits of one config under `root`, from a working directory `cwd` that must stay empty."""
+    tmp = tmp_path_factory.mktemp("runs")
+    config = tmp / "run.yaml"
+    config.write_text(RUN_CONFIG)
+    root, cwd = tmp / "root", tmp / "cwd"
+    cwd.mkdir()
+
+    def args(command: str, *extra: str) -> list[str]:
+        return [command, "--config", str(TINY_CONFIG), "--config", str(config), f"--trainer.default_root_dir={root}",
+                f"--data.cache_dir={tmp / 'cache'}", *extra]  # fmt: skip
+
+    ended = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(cwd)
+        for version in (0, 1):
+            cli = main(args("fit"))
+            ended[version] = _hashes(Path(cli.trainer.log_dir))
+        yield root / "lightning_logs" / "tiny", cwd, args, ended
+
+
+def test_two_runs_of_one_config_leave_two_intact_run_folders(runs):
+    folder, cwd, _, ended = runs
+    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1"]
+    for version in (0, 1):
+        run_dir = folder / f"version_{version}"
+        assert ended[version] == _hashes(run_dir) and "last.ckpt" in ended[version]
+        assert (run_dir / "config.yaml").exists() and (run_dir / "eval" / "report.json").exists()
+        assert list(run_dir.glob("events.out.tfevents.*"))
+    assert not list(cwd.iterdir())  # default_root_dir moved everything: nothing landed in the working directory
+
+
+def test_validate_last_evaluates_the_newest_run_in_a_folder_of_its_own(runs, capsys):
+    folder, _, args, _ = runs
+    cli = main(args("validate", "--ckpt_path=last"))
+
+    assert cli.trainer.ckpt_path == str(folder / "version_1" / "checkpoints" / "last.ckpt")
+    assert Path(cli.trainer.log_dir) == folder / "version_2"
+    out = capsys.readouterr().out
+    assert "validate done: step 0" not in out  # the checkpoint's stage, not an untrained model's
+    summary = out[out.index("validate done") :].splitlines()
+    assert summary[1].startswith("held-out val at step 4 (alignment score, exact match)")
+    assert [line.split()[:2] for line in summary[2:4]] == [["4", "words"], ["8", "words"]]
+    assert summary[-2:] == [f"run folder: {folder / 'version_2'}", f"tensorboard --logdir {folder}"]
+
+
+def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, capsys):
+    folder, cwd, args, ended = runs
+    newest = folder / "version_1"
+    config = (newest / "config.yaml").read_text()
+
+    cli = main(args("fit", "--ckpt_path=last", "--trainer.max_steps=6"))
+
+    assert cli.trainer.ckpt_path == str(newest / "checkpoints" / "last.ckpt")
+    assert Path(cli.trainer.log_dir) == newest and cli.trainer.global_step == 6
+    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1", "version_2"]  # no new run
+    assert _hashes(folder / "version_0") == ended[0]
+    assert (newest / "config.yaml").read_text() == config and (newest / "config-resume-1.yaml").exists()
+    steps = [e.step for e in EventAccumulator(str(newest)).Reload().Scalars("train/loss")]
+    assert steps == [2, 3, 4, 5]  # GRPO from step 2; one TensorBoard run: the curve goes on after the resume
+
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[:2] for line in out if line.startswith("step ")] == [["step", "6"]]  # one line per evaluation
+    summary = out[[line.startswith("fit done") for line in out].index(True) :]
+    assert summary[0].startswith("fit done: step 6/6, stage ")
+    # the change is measured from the run's first evaluation, at step 2, before the resume
+    assert summary[1] == "held-out val at step 6 (alignment score, exact match, change since step 2):"
+    assert summary[2].split()[:2] == ["4", "words"] and ("(+" in summary[2] or "(-" in summary[2])
+    assert not list(cwd.iterdir())
+
+
+def test_ckpt_path_last_with_no_run_is_a_one_line_error(tmp_path, capsys):
+    args = ["validate", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--ckpt_path=last"]
+    assert run(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: ckpt_path last: no run under {tmp_path / 'lightning_logs'} has checkpoints/last.ckpt"]
