@@ -65,8 +65,7 @@ def configure_console(level: str | None = None) -> None:
     import transformers
 
     if level is not None:
-        logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-        logging.getLogger().setLevel(level)
+        logging.getLogger().setLevel(level)  # this project's own loggers (interleave_data.cache's progress bars)
         logging.getLogger("lightning").setLevel(level)
         transformers.utils.logging.set_verbosity(logging.getLevelName(level))
         datasets.utils.logging.set_verbosity(logging.getLevelName(level))

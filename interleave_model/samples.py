@@ -35,10 +35,11 @@ def departure(completion: str, target: str) -> tuple[int | None, str]:
         return None, "matches the target"
     if first_error >= len(said):
         return first_error, f"stops after word {first_error} of the target's {len(wanted)}"
-    has = f"`{wanted[first_error]}`" if first_error < len(wanted) else "nothing more"
+    if first_error >= len(wanted):
+        return first_error, f"goes on after the target's {len(wanted)} words with `{said[first_error]}`"
     return first_error, (
         f"departs from the target at word {first_error + 1} of {len(wanted)}: `{said[first_error]}` where the "
-        f"target has {has}"
+        f"target has `{wanted[first_error]}`"
     )
 
 
