@@ -84,14 +84,13 @@ class InterleaveCLI(LightningCLI):
             self.save_config_kwargs["config_filename"] = config_filename(continued)
 
     def _instantiate_trainer(self, config: dict, callbacks: list[Callback]) -> Trainer:
-        """Always the console summary; the step progress bar unless the config turns bars off or names its own."""
+        """The step progress bar unless the config turns bars off or names its own; always the console summary, last."""
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        callbacks = [*callbacks, ConsoleSummary()]
         bar_wanted = config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
         if bar_wanted and not any(isinstance(c, ProgressBar) for c in given + callbacks):
-            callbacks.append(StepProgressBar())
-        return super()._instantiate_trainer(config, callbacks)
+            callbacks = [*callbacks, StepProgressBar()]
+        return super()._instantiate_trainer(config, [*callbacks, ConsoleSummary()])
 
     def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)

@@ -99,8 +99,8 @@ class StepProgressBar(RichProgressBar):
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)  # the run folder is printed at the end
-        if isinstance(items.get("stage"), float):
-            items["stage"] = int(items["stage"])  # words per fragment, logged as a float
+        if "stage" in items:
+            items["stage"] = f"{float(items['stage']):.0f}w"  # words per fragment, logged as a float
         return items
 
 
@@ -116,6 +116,7 @@ class ConsoleSummary(L.Callback):
         self.first: dict | None = None  # the run's first evaluation: {"split", "step", "lengths"}
         self.last: dict | None = None
         self._checkpoint_step: int | None = None
+        self._ended: str | None = None  # the command whose end was reached: its summary is printed at teardown
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -130,16 +131,24 @@ class ConsoleSummary(L.Callback):
             first, self.first = self.first, self.first or self.last
             _say(evaluation_line(self.last, first, _stage(trainer)))
         else:
-            _say(self._summary(trainer, "validate"))
+            self._ended = "validate"
 
     @override
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._take(trainer, pl_module):
-            _say(self._summary(trainer, "test"))
+            self._ended = "test"
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        _say(self._summary(trainer, "fit"))
+        self._ended = "fit"
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # at teardown, after the progress bar's own (the CLI adds this callback after it), so the summary comes last;
+        # a command that failed never reached its end hook and prints none
+        if self._ended is not None:
+            _say(self._summary(trainer, self._ended))
+        self._ended = None
 
     @override
     def state_dict(self) -> dict:
