@@ -8,6 +8,7 @@ below are filtered, each for the reason given beside it.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -95,6 +96,15 @@ class StepProgressBar(RichProgressBar):
             return f"{'Training':{len(self.validation_description)}}"
         return super()._get_train_description(current_epoch)
 
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        # an endless stream is one epoch, whose batch count starts at the run's start: the total is max_steps
+        # (Lightning's remaining steps would read 80/20 after a resume at step 60)
+        if math.isinf(self.trainer.num_training_batches) and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return super().total_train_batches
+
     @override
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict:
         items = super().get_metrics(trainer, pl_module)
@@ -107,9 +117,9 @@ class StepProgressBar(RichProgressBar):
 class ConsoleSummary(L.Callback):
     """One line per held-out evaluation during `fit`; at the end of `fit`, `validate` and `test`, what happened.
 
-    The summary gives, per evaluated length, the alignment score and exact match (and, after `fit`, the change since
-    the run's first evaluation, kept in the checkpoint so a resumed run compares with the same one), the stage
-    reached, the run folder and the TensorBoard command. Rank 0 prints.
+    The summary gives, per evaluated length, the alignment score and exact match of the last evaluation (and, after
+    `fit`, the change since the run's first; both are kept in the checkpoint, so a resumed run compares with the same
+    one), the stage reached, the run folder and the TensorBoard command. Rank 0 prints.
     """
 
     def __init__(self) -> None:
@@ -152,11 +162,11 @@ class ConsoleSummary(L.Callback):
 
     @override
     def state_dict(self) -> dict:
-        return {"first": self.first}
+        return {"first": self.first, "last": self.last}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        self.first = state_dict.get("first")
+        self.first, self.last = state_dict.get("first"), state_dict.get("last")
 
     def _take(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         results = getattr(pl_module, "eval_results", None)
@@ -177,7 +187,8 @@ class ConsoleSummary(L.Callback):
             done = "no checkpoint (the weights as the config builds them)"
         lines = [f"{command} done: {done}, stage {_stage(trainer)}"]
         if self.last is not None:
-            first = self.first if command == "fit" and self.first is not self.last else None
+            earlier = command == "fit" and self.first is not None and self.first["step"] < self.last["step"]
+            first = self.first if earlier else None
             lines += score_table(self.last, first)
         lines += [f"run folder: {run_dir}"]
         if trainer.logger is not None:
