@@ -13,6 +13,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_model.callbacks import CurriculumCallback, SampleDump
@@ -280,6 +282,21 @@ def test_sample_dump_writes_best_and_worst_every_n_batches_and_appends(tmp_path)
         "=== step 4 worst: reward 0.000, first error at word 0/2, 1 words",
     ]
     assert lines[1:4] == ["prompt: prompt 0", "target: t0 u0", "completion: t0 u0"]
+
+
+def test_sample_dump_shows_each_text_whole_in_tensorboard_with_the_departure_marked(tmp_path):
+    trainer = _Trainer(tmp_path)
+    trainer.loggers = [TensorBoardLogger(tmp_path, name="tb", version=0)]
+    dump = SampleDump(every_n_steps=1)
+    dump.setup(trainer, trainer.module, "fit")
+
+    trainer.batch([dump], [[1.0, 0.5]], [1], ["t0 u0", "t0 x0"])
+    trainer.loggers[0].experiment.flush()
+
+    events = EventAccumulator(str(tmp_path / "tb" / "version_0")).Reload()
+    (text,) = [t.tensor_proto.string_val[0].decode() for t in events.Tensors("samples/text_summary")]
+    assert "\n\n    t0 u0\n\n" in text  # the target, as a code block of its own
+    assert text.endswith("\n\n    t0 ⟦x0⟧")  # the worst completion, its second word marked
 
 
 @pytest.fixture
