@@ -8,7 +8,7 @@ import sys
 
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
@@ -92,7 +92,8 @@ class InterleaveCLI(LightningCLI):
             callbacks = [*callbacks, StepProgressBar()]
         return super()._instantiate_trainer(config, [*callbacks, ConsoleSummary()])
 
-    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs):
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs) -> LightningArgumentParser:
+        """Lightning's subcommand parser; `validate` and `test` default to `verbose: false`."""
         parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
         if subcommand in ("validate", "test"):
             parser.set_defaults(verbose=False)  # the console summary replaces Lightning's table of every metric

@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from interleave_model.callbacks import CurriculumCallback
+from interleave_model.writers import EvaluationReport
 
 # Python warnings filtered in quiet mode (regular expressions matched against the start of the message).
 QUIET_WARNINGS = (
@@ -191,6 +192,9 @@ class ConsoleSummary(L.Callback):
             first = self.first if earlier else None
             lines += score_table(self.last, first)
         lines += [f"run folder: {run_dir}"]
+        report = _report(trainer, run_dir)
+        if report is not None:
+            lines += [f"report: {report}"]
         if trainer.logger is not None:
             lines += [f"tensorboard --logdir {run_dir.parent}"]
         return "\n".join(lines)
@@ -232,6 +236,15 @@ def _stage(trainer: L.Trainer) -> str:
             return f"{words} words, {state.stage_index + 1} of {len(callback.stages)}{what}"
     words = getattr(trainer.datamodule, "stage_words", None)
     return f"{words} words" if words is not None else "-"
+
+
+def _report(trainer: L.Trainer, run_dir: Path) -> Path | None:
+    """The evaluation report the run wrote (EvaluationReport's `report.md`), if it wrote one."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, EvaluationReport):
+            path = Path(callback.dirpath or run_dir / "eval") / "report.md"
+            return path if path.exists() else None
+    return None
 
 
 @rank_zero_only

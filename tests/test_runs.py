@@ -72,7 +72,9 @@ def test_validate_last_evaluates_the_newest_run_in_a_folder_of_its_own(runs, cap
     summary = out[out.index("validate done") :].splitlines()
     assert summary[1].startswith("held-out val at step 4 (alignment score, exact match)")
     assert [line.split()[:2] for line in summary[2:4]] == [["4", "words"], ["8", "words"]]
-    assert summary[-2:] == [f"run folder: {folder / 'version_2'}", f"tensorboard --logdir {folder}"]
+    run_dir = folder / "version_2"
+    assert summary[-3:] == [f"run folder: {run_dir}", f"report: {run_dir / 'eval' / 'report.md'}",
+                            f"tensorboard --logdir {folder}"]  # fmt: skip
 
 
 def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, capsys):
