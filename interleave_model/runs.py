@@ -4,7 +4,8 @@ Everything a run makes (checkpoints, config, samples.log, stages/, eval/, predic
 `trainer.log_dir`: the configs name only the logger's `name` (a `RunLogger`), the CLI fills its `save_dir` from
 `trainer.default_root_dir`, and ModelCheckpoint's `dirpath` is left to the logger. `--ckpt_path last` means the
 `last.ckpt` of the run of this name that saved one most recently (Lightning's own rule, by modification time, applied
-across the name's runs instead of one folder), and `fit` from a checkpoint inside a run keeps writing into that run.
+across the name's runs instead of one folder), and `fit` from a checkpoint inside a run keeps writing into that run;
+TensorBoard then drops what the stopped run logged after that checkpoint, so the curves go on without a fold.
 
 The functions read the parsed CLI config (jsonargparse Namespaces) of one subcommand.
 """
@@ -14,11 +15,14 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
 from jsonargparse import Namespace
 from lightning.pytorch.loggers import TensorBoardLogger
 
 RUNS_DIR = "lightning_logs"  # Lightning's own folder name under default_root_dir
 DEFAULT_LOGGER = "lightning.pytorch.loggers.TensorBoardLogger"  # what Lightning builds for `logger: true`
+TENSORBOARD_LOGGERS = (DEFAULT_LOGGER, "lightning.pytorch.loggers.tensorboard.TensorBoardLogger",
+                       "interleave_model.runs.RunLogger")  # fmt: skip
 LAST = "last.ckpt"
 
 
@@ -106,8 +110,19 @@ def place_run(config: Namespace, subcommand: str) -> Path | None:
     version = run_version(root, Path(ckpt_path))
     if version is None:
         return None
-    _pin_version(config, version)
+    _pin_version(config, version, next_logged_step(Path(ckpt_path)))
     return root / f"version_{version}"
+
+
+def next_logged_step(checkpoint: Path) -> int | None:
+    """The first logger step of a resume from `checkpoint`: Lightning's count of batches that stepped, plus one.
+
+    A checkpoint is saved before the count takes in its own batch, and the training loop adds it on restart
+    (`_TrainingEpochLoop.reset`).
+    """
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # mmap: reads only this much
+    loop = state.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
+    return loop["_batches_that_stepped"] + 1 if "_batches_that_stepped" in loop else None
 
 
 def config_filename(run_dir: Path) -> str:
@@ -120,12 +135,16 @@ def config_filename(run_dir: Path) -> str:
     return name
 
 
-def _pin_version(config: Namespace, version: int) -> None:
+def _pin_version(config: Namespace, version: int, purge_step: int | None) -> None:
+    """Write into run `version`; TensorBoard drops what the stopped run logged after the checkpoint (`purge_step`)."""
     logger = config.trainer.logger
     if logger is None or logger is True:  # the logger Lightning would build, made explicit to name its version
         init_args = Namespace(save_dir=config.trainer.default_root_dir or ".", name=RUNS_DIR)
         config.trainer.logger = Namespace(class_path=DEFAULT_LOGGER, init_args=init_args)
-    _loggers(config)[0].init_args.version = version
+    entry = _loggers(config)[0]
+    entry.init_args.version = version
+    if purge_step is not None and entry.class_path in TENSORBOARD_LOGGERS:
+        entry.init_args.purge_step = purge_step
 
 
 def _loggers(config: Namespace) -> list[Namespace]:

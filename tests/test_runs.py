@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch.utils.tensorboard import SummaryWriter
 
 from cli import main, run
 from tests.conftest import TINY_CONFIG
@@ -81,6 +82,9 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
     folder, cwd, args, ended = runs
     newest = folder / "version_1"
     config = (newest / "config.yaml").read_text()
+    with SummaryWriter(newest) as writer:  # what a run killed after its last checkpoint (step 4) had logged
+        for step in (4, 5, 6):
+            writer.add_scalar("train/loss", 99.0, step)
 
     cli = main(args("fit", "--ckpt_path=last", "--trainer.max_steps=6"))
 
@@ -89,8 +93,9 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
     assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1", "version_2"]  # no new run
     assert _hashes(folder / "version_0") == ended[0]
     assert (newest / "config.yaml").read_text() == config and (newest / "config-resume-1.yaml").exists()
-    steps = [e.step for e in EventAccumulator(str(newest)).Reload().Scalars("train/loss")]
-    assert steps == [2, 3, 4, 5]  # GRPO from step 2; one TensorBoard run: the curve goes on after the resume
+    events = EventAccumulator(str(newest)).Reload().Scalars("train/loss")
+    assert [e.step for e in events] == [2, 3, 4, 5]  # GRPO from step 2; one TensorBoard run goes on after the resume
+    assert 99.0 not in [e.value for e in events]  # and what was logged after the checkpoint is dropped
 
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[:2] for line in out if line.startswith("step ")] == [["step", "6"]]  # one line per evaluation

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from jsonargparse import Namespace
 
 from interleave_model.runs import RunError, config_filename, place_run
@@ -18,7 +19,7 @@ def _config(root: Path, logger, ckpt_path: str | None) -> Namespace:
 def _checkpoint(folder: Path, mtime: int) -> Path:
     path = folder / "checkpoints" / "last.ckpt"
     path.parent.mkdir(parents=True)
-    path.write_bytes(b"")
+    torch.save({"loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": 7}}}}, path)
     os.utime(path, (mtime, mtime))
     return path
 
@@ -33,9 +34,9 @@ def test_last_is_the_checkpoint_written_last_and_fit_continues_its_run(tmp_path)
 
     assert place_run(config, "fit") == runs / "version_0"
     assert config.ckpt_path == str(runs / "version_0" / "checkpoints" / "last.ckpt")
-    assert config.trainer.logger.init_args == Namespace(
-        save_dir=str(tmp_path / "lightning_logs"), name="demo", version=0
-    )
+    # version 0's checkpoint was saved at batch 7: TensorBoard drops what that run logged from step 8 on
+    init_args = Namespace(save_dir=str(tmp_path / "lightning_logs"), name="demo", version=0, purge_step=8)
+    assert config.trainer.logger.init_args == init_args
 
 
 def test_lightnings_default_logger_is_made_explicit_to_continue_its_run(tmp_path):
@@ -43,7 +44,8 @@ def test_lightnings_default_logger_is_made_explicit_to_continue_its_run(tmp_path
     config = _config(tmp_path, True, str(checkpoint))
 
     assert place_run(config, "fit") == tmp_path / "lightning_logs" / "version_3"
-    assert config.trainer.logger.init_args == Namespace(save_dir=str(tmp_path), name="lightning_logs", version=3)
+    init_args = Namespace(save_dir=str(tmp_path), name="lightning_logs", version=3, purge_step=8)
+    assert config.trainer.logger.init_args == init_args
 
 
 @pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
