@@ -13,7 +13,9 @@ import os
 import warnings
 from pathlib import Path
 
+import datasets
 import lightning as L
+import transformers
 from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
@@ -63,14 +65,15 @@ _DROP = _DropKnownInfo()
 def configure_console(level: str | None = None) -> None:
     """Quiet console unless `level` (default: the `LOGLEVEL` environment variable) names a logging level."""
     level = (level or os.environ.get("LOGLEVEL") or "").upper() or None
-    import datasets
-    import transformers
-
     if level is not None:
-        logging.getLogger().setLevel(level)  # this project's own loggers (interleave_data.cache's progress bars)
-        logging.getLogger("lightning").setLevel(level)
-        transformers.utils.logging.set_verbosity(logging.getLevelName(level))
-        datasets.utils.logging.set_verbosity(logging.getLevelName(level))
+        number = logging.getLevelName(level)  # the number of a level name (getLevelNamesMapping is 3.11+)
+        if not isinstance(number, int):
+            raise ValueError(f"LOGLEVEL={level} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
+        logging.getLogger().setLevel(number)  # this project's own loggers (interleave_data.cache's progress bars)
+        for name in ("lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(number)
+        transformers.utils.logging.set_verbosity(number)
+        datasets.utils.logging.set_verbosity(number)
         for name in LIGHTNING_LOGGERS:
             logging.getLogger(name).removeFilter(_DROP)
         warnings.filters[:] = [f for f in warnings.filters if not _is_quiet_filter(f)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import warnings
 
+import datasets
 import pytest
 import transformers
 
@@ -16,14 +17,16 @@ NOISE = "Checkpoint directory /runs/demo/version_0/checkpoints exists and is not
 @pytest.fixture
 def console(monkeypatch):
     """configure_console, with the process-wide logging state it changes put back afterwards."""
-    root, lightning = logging.getLogger().level, logging.getLogger("lightning").level
-    verbosity = transformers.utils.logging.get_verbosity()
+    names = ("", "lightning.pytorch", "lightning.fabric")
+    levels = {name: logging.getLogger(name).level for name in names}
+    verbosity = (transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity())
     yield configure_console
     monkeypatch.delenv("LOGLEVEL", raising=False)
     configure_console()
-    logging.getLogger().setLevel(root)
-    logging.getLogger("lightning").setLevel(lightning)
-    transformers.utils.logging.set_verbosity(verbosity)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    transformers.utils.logging.set_verbosity(verbosity[0])
+    datasets.utils.logging.set_verbosity(verbosity[1])
 
 
 def _shown(message: str) -> list[str]:
@@ -47,6 +50,8 @@ def test_quiet_by_default_and_loglevel_brings_everything_back(console, monkeypat
     console()
     assert _shown(NOISE) == [NOISE] and _kept("GPU available: False, used: False")
     assert logging.getLogger("interleave_data.cache").isEnabledFor(logging.INFO)  # the dataset progress bars
+    with pytest.raises(ValueError, match="LOGLEVEL=LOUD is not a logging level"):
+        console("loud")
 
 
 def test_evaluation_line_and_table_give_the_change_since_the_first_evaluation():
