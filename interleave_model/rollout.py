@@ -213,8 +213,9 @@ def completion_texts(tokenizer, completion_ids: Tensor, stop_ids: Sequence[int])
 def decode(tokenizer, ids: Sequence[int]) -> str:
     """Token ids as the reward reads them: special tokens kept, no clean-up of spaces before punctuation.
 
-    `clean_up_tokenization_spaces` (on in Llama-3's tokenizer_config.json) would turn the words `word .` into `word.`,
-    another word than the model wrote; the preflight's round-trip check decodes the targets through this too.
+    `clean_up_tokenization_spaces` (on in many tokenizer_config.json files; transformers 5 skips it for BPE only) would
+    turn the words `word .` into `word.`, another word than the model wrote. The preflight's round-trip check decodes
+    the targets through this too.
     """
     text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     return " ".join(text.split())

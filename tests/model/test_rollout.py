@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from interleave_data.prompts import format_prompt
-from interleave_model.policy import load_pretrained, stop_token_ids
-from interleave_model.rollout import _mask_through_stop, rollout, sample, token_budget
+from interleave_model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
+from interleave_model.rollout import _mask_through_stop, completion_texts, rollout, sample, token_budget
 
 
 @pytest.fixture
@@ -91,6 +91,22 @@ def test_texts_are_the_tokens_before_the_first_stop_and_nothing_else(family_fold
     assert out.completion_mask.sum(-1).tolist() == [len(a) + 1, len(b) + 1, width]  # through the first stop token
     assert (out.completion_ids[1, len(b) + 1 :] == tok.pad_token_id).all()
     assert out.truncated.tolist() == [False, False, True]
+
+
+def test_texts_keep_special_tokens_inside_the_answer(family_folders):
+    _, tok = load_pretrained(str(family_folders["llama3"]))
+    header, eot = tok.convert_tokens_to_ids(["<|start_header_id|>", "<|eot_id|>"])
+    words = tok("the cat", add_special_tokens=False).input_ids
+    ids = torch.tensor([words + [header, eot], words + [eot, header]])
+    # the reward sees what the model wrote: a special token inside the answer is part of a word
+    assert completion_texts(tok, ids, [eot]) == ["the cat<|start_header_id|>", "the cat"]
+
+
+def test_texts_keep_the_space_before_punctuation():
+    tok = build_tiny_tokenizer([["the", "cat", "."]])
+    tok.clean_up_tokenization_spaces = True  # transformers would write "the cat." (it skips this for BPE only)
+    ids = torch.tensor([tok("the cat .", add_special_tokens=False).input_ids + [tok.eos_token_id]])
+    assert completion_texts(tok, ids, [tok.eos_token_id]) == ["the cat ."]  # "." is a word of the target
 
 
 @pytest.fixture(params=["llama3", "qwen2", "gpt2"])
