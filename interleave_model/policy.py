@@ -6,7 +6,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -16,7 +16,9 @@ TINY = "tiny"
 """`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = "all-linear"
+"""peft's shorthand for every linear layer but the output head, whatever the family calls them (Llama's seven
+projections, GPT-2's `c_attn`, `c_proj`, `c_fc`)."""
 
 
 class PolicyError(ValueError):
@@ -57,13 +59,14 @@ class LoraSettings:
         r: Rank of the update.
         alpha: Scaling numerator (`lora_alpha`); the update is scaled by alpha / r.
         dropout: Dropout on the adapter input.
-        target_modules: Names of the linear layers that get an adapter (all Llama projections by default).
+        target_modules: Names of the linear layers that get an adapter, or "all-linear" (the default): every linear
+            layer but the output head, under the family's own names.
     """
 
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    target_modules: list[str] | str = ALL_LINEAR
 
 
 def build_tiny_tokenizer(texts: Sequence[Sequence[str]], extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
@@ -142,7 +145,7 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
