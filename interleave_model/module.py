@@ -34,6 +34,7 @@ from interleave_model.policy import (
     frozen_copy,
     is_peft,
     load_pretrained,
+    zero_dropout,
 )
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
@@ -88,6 +89,8 @@ class InterleaveGRPO(L.LightningModule):
         trust_remote_code: Allow model code from the model folder. Off unless you trust it.
         lora: LoRA settings; None trains all weights.
         gradient_checkpointing: Recompute activations in the backward pass (less memory, ~30% more time).
+        disable_dropout: Set every dropout of the policy (adapter included) to 0, as TRL does by default: the ratio
+            then compares equal forwards, and is exactly 1 at a rollout's first update.
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
         num_generations: Completions per prompt (G); group-relative advantages need at least 2.
         temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL).
@@ -134,6 +137,7 @@ class InterleaveGRPO(L.LightningModule):
         trust_remote_code: bool = False,
         lora: LoraSettings | None = None,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
         seed: int = 0,
         num_generations: int = 8,
         temperature: float = 1.0,
@@ -180,6 +184,8 @@ class InterleaveGRPO(L.LightningModule):
             self.policy = apply_lora(self.policy, lora)
         if init_from is not None:
             load_initial_weights(self.policy, init_from)
+        if disable_dropout:
+            zero_dropout(self.policy)
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.policy.enable_input_require_grads()
@@ -203,6 +209,10 @@ class InterleaveGRPO(L.LightningModule):
         return build_tiny_model(tokenizer, tiny, seed=hp.seed), tokenizer
 
     # ---------------------------------------------------------------- Lightning hooks
+
+    def on_fit_start(self) -> None:
+        # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train mode
+        self.policy.train()
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -308,7 +318,8 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         G = hp.num_generations
         started = time.perf_counter()
-        roll = self._rollout(batch, G, hp.temperature, self._generator())
+        with _eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
+            roll = self._rollout(batch, G, hp.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
@@ -554,3 +565,14 @@ class InterleaveGRPO(L.LightningModule):
         if self._rng is None or self._rng.device != self.device:
             self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
         return self._rng
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run a block with `model` in eval mode, then put back the mode it had."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)

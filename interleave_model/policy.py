@@ -151,6 +151,20 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
     return get_peft_model(model, config)
 
 
+def zero_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability in `model` to 0, adapters' included (TRL's `disable_dropout`).
+
+    GRPO's ratio compares the policy with itself at sampling time: with dropout on, two forwards of the same weights
+    differ, so the first ratio of a rollout is not 1 and the clip fires on noise. Llama-style attention reads a float
+    `attention_dropout` in training mode instead of a dropout module; it is zeroed too.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A reference that never trains: a deep copy with gradients off, in eval mode."""
     reference = copy.deepcopy(model).eval()
