@@ -34,8 +34,10 @@ from interleave_model.policy import (
     frozen_copy,
     is_peft,
     load_pretrained,
+    stop_token_ids,
     zero_dropout,
 )
+from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
@@ -180,6 +182,7 @@ class InterleaveGRPO(L.LightningModule):
         tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
         lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.policy, self.tokenizer = self._load_policy(tiny)
+        self.stop_ids = stop_token_ids(self.policy, self.tokenizer)
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
         if init_from is not None:
@@ -218,6 +221,7 @@ class InterleaveGRPO(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             datamodule.tokenizer = self.tokenizer
+            preflight(self, datamodule)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -417,6 +421,7 @@ class InterleaveGRPO(L.LightningModule):
             self.tokenizer,
             batch["prompt_ids"],
             batch["prompt_mask"],
+            stop_ids=self.stop_ids,
             num_generations=num_generations,
             max_new_tokens=self._budget(batch["targets"]),
             temperature=temperature,
