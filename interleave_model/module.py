@@ -214,8 +214,9 @@ class InterleaveGRPO(L.LightningModule):
     # ---------------------------------------------------------------- Lightning hooks
 
     def on_fit_start(self) -> None:
-        # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train mode
-        self.policy.train()
+        # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train
+        # mode. The reference too: it runs its own forwards in eval mode (_reference), and Lightning warns otherwise.
+        self.train()
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -521,15 +522,16 @@ class InterleaveGRPO(L.LightningModule):
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference policy: the adapter switched off under LoRA (no second copy), else a frozen snapshot."""
+        """The reference in eval mode: the policy with its adapter off under LoRA (no second copy), else a snapshot."""
         if is_peft(self.policy):
-            with self.policy.disable_adapter():
+            with self.policy.disable_adapter(), _eval_mode(self.policy):
                 yield self.policy
             return
         if self.reference is None:
             rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
             self.reference = frozen_copy(self.policy)
-        yield self.reference
+        with _eval_mode(self.reference):
+            yield self.reference
 
     def _row_chunks(self, n_rows: int) -> list[slice]:
         size = self.hparams.micro_batch_size or n_rows

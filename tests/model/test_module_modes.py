@@ -14,7 +14,7 @@ import torch
 import interleave_model.module as module_py
 from interleave_model import grpo
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import LoraSettings
+from interleave_model.policy import LoraSettings, frozen_copy
 
 
 def _module(folder, **overrides) -> InterleaveGRPO:
@@ -43,9 +43,14 @@ def _count_forwards(layer: torch.nn.Module) -> list[bool]:
     return calls
 
 
-def test_updates_run_in_train_mode_and_sampling_in_eval_mode(family_folders, make_datamodule, monkeypatch):
-    module = _module(family_folders["llama3"])
-    modes = {"rollout": [], "update": []}
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4)], ids=["full", "lora"])
+def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
+    family_folders, make_datamodule, monkeypatch, lora
+):
+    module = _module(family_folders["llama3"], lora=lora, beta=0.04, disable_dropout=False)
+    if lora is None:
+        module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
+    modes = {"rollout": [], "reference": [], "update": []}
     rollout, logprobs = module_py.rollout, module_py.completion_logprobs
 
     def recording_rollout(model, *args, **kwargs):
@@ -53,7 +58,7 @@ def test_updates_run_in_train_mode_and_sampling_in_eval_mode(family_folders, mak
         return rollout(model, *args, **kwargs)
 
     def recording_logprobs(model, *args, **kwargs):
-        modes["update"].append(model.training)
+        modes["update" if torch.is_grad_enabled() else "reference"].append(model.training)
         return logprobs(model, *args, **kwargs)
 
     monkeypatch.setattr(module_py, "rollout", recording_rollout)
@@ -62,7 +67,7 @@ def test_updates_run_in_train_mode_and_sampling_in_eval_mode(family_folders, mak
         warnings.simplefilter("always")
         _fit_one_grpo_step(module, make_datamodule)
 
-    assert modes == {"rollout": [False], "update": [True]}
+    assert modes == {"rollout": [False], "reference": [False], "update": [True]}
     assert not [w for w in caught if "eval mode at the start of training" in str(w.message)]
 
 
