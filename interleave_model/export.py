@@ -11,7 +11,8 @@ fills its weights, and the policy is saved with its tokenizer:
 - without LoRA: a model folder, ``AutoModelForCausalLM.from_pretrained(output_dir)``;
 - with LoRA: an adapter folder, ``AutoPeftModelForCausalLM.from_pretrained(output_dir)`` (the adapter config names
   the base model's path; the embedded tiny model has none, so its base is saved in ``output_dir/base_model`` and
-  named by absolute path); ``merge_lora`` saves the merged weights as a plain model folder instead.
+  named by absolute path, as is a local base folder); ``merge_lora`` saves the merged weights as a plain model
+  folder instead.
 
 ``export.json`` records the checkpoint and the step it came from.
 """
@@ -76,10 +77,13 @@ def _write(module, out: Path, final: Path, merge_lora: bool, source: dict | None
         copy.deepcopy(policy).merge_and_unload().save_pretrained(out)
     elif is_peft(policy):
         policy.save_pretrained(out)
-        if module.hparams.model_name_or_path == TINY:  # an in-memory base: save it and point the adapter at it
+        base = module.hparams.model_name_or_path
+        if base == TINY:  # an in-memory base: save it and point the adapter at it
             copy.deepcopy(policy).unload().save_pretrained(out / BASE_MODEL_DIR)
             module.tokenizer.save_pretrained(out / BASE_MODEL_DIR)
             _set_base_model(out, final / BASE_MODEL_DIR)
+        elif os.path.isdir(base):  # a relative path would name the base only from the training run's folder
+            _set_base_model(out, Path(base).absolute())
     else:
         policy.save_pretrained(out)
     module.tokenizer.save_pretrained(out)

@@ -35,6 +35,7 @@ from interleave_model.policy import (
     is_peft,
     load_pretrained,
     stop_token_ids,
+    zero_dropout,
 )
 from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
@@ -90,6 +91,8 @@ class InterleaveGRPO(L.LightningModule):
         trust_remote_code: Allow model code from the model folder. Off unless you trust it.
         lora: LoRA settings; None trains all weights.
         gradient_checkpointing: Recompute activations in the backward pass (less memory, ~30% more time).
+        disable_dropout: Set every dropout of the policy (adapter included) to 0, as TRL does by default: the ratio
+            then compares equal forwards, and is exactly 1 at a rollout's first update.
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
         num_generations: Completions per prompt (G); group-relative advantages need at least 2.
         temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL).
@@ -136,6 +139,7 @@ class InterleaveGRPO(L.LightningModule):
         trust_remote_code: bool = False,
         lora: LoraSettings | None = None,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
         seed: int = 0,
         num_generations: int = 8,
         temperature: float = 1.0,
@@ -183,6 +187,8 @@ class InterleaveGRPO(L.LightningModule):
             self.policy = apply_lora(self.policy, lora)
         if init_from is not None:
             load_initial_weights(self.policy, init_from)
+        if disable_dropout:
+            zero_dropout(self.policy)
         if gradient_checkpointing:
             self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self.policy.enable_input_require_grads()
@@ -206,6 +212,11 @@ class InterleaveGRPO(L.LightningModule):
         return build_tiny_model(tokenizer, tiny, seed=hp.seed), tokenizer
 
     # ---------------------------------------------------------------- Lightning hooks
+
+    def on_fit_start(self) -> None:
+        # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train
+        # mode. The reference too: it runs its own forwards in eval mode (_reference), and Lightning warns otherwise.
+        self.train()
 
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
@@ -312,7 +323,8 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         G = hp.num_generations
         started = time.perf_counter()
-        roll = self._rollout(batch, G, hp.temperature, self._generator())
+        with _eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
+            roll = self._rollout(batch, G, hp.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
@@ -510,15 +522,16 @@ class InterleaveGRPO(L.LightningModule):
 
     @contextlib.contextmanager
     def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference policy: the adapter switched off under LoRA (no second copy), else a frozen snapshot."""
+        """The reference in eval mode: the policy with its adapter off under LoRA (no second copy), else a snapshot."""
         if is_peft(self.policy):
-            with self.policy.disable_adapter():
+            with self.policy.disable_adapter(), _eval_mode(self.policy):
                 yield self.policy
             return
         if self.reference is None:
             rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
             self.reference = frozen_copy(self.policy)
-        yield self.reference
+        with _eval_mode(self.reference):
+            yield self.reference
 
     def _row_chunks(self, n_rows: int) -> list[slice]:
         size = self.hparams.micro_batch_size or n_rows
@@ -559,3 +572,14 @@ class InterleaveGRPO(L.LightningModule):
         if self._rng is None or self._rng.device != self.device:
             self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
         return self._rng
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run a block with `model` in eval mode, then put back the mode it had."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)

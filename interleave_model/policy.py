@@ -6,7 +6,7 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -16,7 +16,9 @@ TINY = "tiny"
 """`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ALL_LINEAR = "all-linear"
+"""peft's shorthand for every linear layer but the output head, whatever the family calls them (Llama's seven
+projections, GPT-2's `c_attn`, `c_proj`, `c_fc`)."""
 
 
 class PolicyError(ValueError):
@@ -57,13 +59,14 @@ class LoraSettings:
         r: Rank of the update.
         alpha: Scaling numerator (`lora_alpha`); the update is scaled by alpha / r.
         dropout: Dropout on the adapter input.
-        target_modules: Names of the linear layers that get an adapter (all Llama projections by default).
+        target_modules: Names of the linear layers that get an adapter, or "all-linear" (the default): every linear
+            layer but the output head, under the family's own names.
     """
 
     r: int = 16
     alpha: int = 32
     dropout: float = 0.05
-    target_modules: list[str] = field(default_factory=lambda: list(ALL_PROJECTIONS))
+    target_modules: list[str] | str = ALL_LINEAR
 
 
 def build_tiny_tokenizer(texts: Sequence[Sequence[str]], extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
@@ -166,10 +169,24 @@ def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
         r=lora.r,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
+
+
+def zero_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout probability in `model` to 0, adapters' included (TRL's `disable_dropout`).
+
+    GRPO's ratio compares the policy with itself at sampling time: with dropout on, two forwards of the same weights
+    differ, so the first ratio of a rollout is not 1 and the clip fires on noise. Llama-style attention reads a float
+    `attention_dropout` in training mode instead of a dropout module; it is zeroed too.
+    """
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -62,8 +62,8 @@ def _assert_same(a, b, where="checkpoint"):
         assert a == b, where
 
 
-# LoRA with dropout draws its masks from the global torch RNG, which the checkpoint must carry as well
-LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5"]
+# LoRA with dropout (kept on here) draws its masks from the global torch RNG, which the checkpoint must carry as well
+LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5", "--model.disable_dropout=false"]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

@@ -93,6 +93,18 @@ def test_lora_adapter_of_a_local_model_names_its_folder(make_module, tmp_path):
     torch.testing.assert_close(_logprobs(loaded, module.tokenizer), _logprobs(module.policy, module.tokenizer))
 
 
+def test_lora_adapter_of_a_relative_model_path_names_it_absolute(make_module, tmp_path, monkeypatch):
+    export(make_module(), tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    module = _lora_module(make_module, model_name_or_path="./base")
+
+    out = export(module, tmp_path / "adapter")
+    monkeypatch.chdir(out)  # where "./base" names nothing
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    AutoPeftModelForCausalLM.from_pretrained(out)
+
+
 def test_export_replaces_an_earlier_export_whole_and_never_a_folder_of_other_files(make_module, tmp_path):
     module = make_module()
     out = export(module, tmp_path / "model", source={"global_step": 1})

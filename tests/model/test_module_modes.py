@@ -1,0 +1,113 @@
+"""Train mode for updates, eval mode for sampling, no dropout by default, gradient checkpointing that recomputes.
+
+On real-family folders loaded from disk (tests/families.py): `from_pretrained` returns a model in eval mode.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning as L
+import pytest
+import torch
+
+import interleave_model.module as module_py
+from interleave_model import grpo
+from interleave_model.module import InterleaveGRPO
+from interleave_model.policy import LoraSettings, frozen_copy
+
+
+def _module(folder, **overrides) -> InterleaveGRPO:
+    kwargs = {"model_name_or_path": str(folder), "template": "compact", "num_generations": 2, "beta": 0.0}
+    return InterleaveGRPO(**(kwargs | overrides))
+
+
+def _fit_one_grpo_step(module, make_datamodule) -> None:
+    datamodule = make_datamodule(module.tokenizer, stages=(3,), train_pairs=4, batch_size=1)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+
+
+def _count_forwards(layer: torch.nn.Module) -> list[bool]:
+    """Wrap `layer.forward` to record grad mode at each call (a checkpoint's recompute runs no forward hooks)."""
+    calls, forward = [], layer.forward
+
+    def counting(*args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return forward(*args, **kwargs)
+
+    layer.forward = counting
+    return calls
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4)], ids=["full", "lora"])
+def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
+    family_folders, make_datamodule, monkeypatch, lora
+):
+    module = _module(family_folders["llama3"], lora=lora, beta=0.04, disable_dropout=False)
+    if lora is None:
+        module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
+    modes = {"rollout": [], "reference": [], "update": []}
+    rollout, logprobs = module_py.rollout, module_py.completion_logprobs
+
+    def recording_rollout(model, *args, **kwargs):
+        modes["rollout"].append(model.training)
+        return rollout(model, *args, **kwargs)
+
+    def recording_logprobs(model, *args, **kwargs):
+        modes["update" if torch.is_grad_enabled() else "reference"].append(model.training)
+        return logprobs(model, *args, **kwargs)
+
+    monkeypatch.setattr(module_py, "rollout", recording_rollout)
+    monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_one_grpo_step(module, make_datamodule)
+
+    assert modes == {"rollout": [False], "reference": [False], "update": [True]}
+    assert not [w for w in caught if "eval mode at the start of training" in str(w.message)]
+
+
+@pytest.mark.parametrize("disable_dropout", [True, False])
+def test_first_ratio_is_exactly_one_without_dropout(family_folders, make_datamodule, monkeypatch, disable_dropout):
+    """GPT-2's config has dropout 0.1: on in train mode unless disabled, and then the ratio is noise from step one.
+
+    The fixture's random weights put all the mass on one token (log-prob 0, whatever dropout does); a high
+    temperature spreads it.
+    """
+    module = _module(family_folders["gpt2"], num_iterations=2, disable_dropout=disable_dropout, temperature=20.0)
+    assert module.policy.config.resid_pdrop == module.policy.config.attn_pdrop == 0.1
+    calls = []
+    policy_loss = grpo.policy_loss
+
+    def recording_policy_loss(logprobs, old, *args, **kwargs):
+        out = policy_loss(logprobs, old, *args, **kwargs)
+        calls.append((logprobs.detach(), old, out.clip_frac))
+        return out
+
+    monkeypatch.setattr(grpo, "policy_loss", recording_policy_loss)
+    _fit_one_grpo_step(module, make_datamodule)
+
+    assert len(calls) == 2  # num_iterations updates of one rollout
+    logprobs, old, clip_frac = calls[0]
+    assert (logprobs < -0.1).any()
+    if disable_dropout:
+        assert torch.equal(logprobs, old) and clip_frac == 0  # ratio exp(0) == 1, bitwise
+    else:
+        assert not torch.equal(logprobs, old)  # dropout acts: the update is in train mode
+
+
+@pytest.mark.parametrize("lora", [None, LoraSettings(r=4)], ids=["full", "lora"])
+@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "plain"])
+def test_gradient_checkpointing_recomputes_each_layer(family_folders, make_datamodule, lora, checkpointing):
+    """A layer runs twice per update with checkpointing (forward, then again in the backward), once without."""
+    module = _module(family_folders["llama3"], lora=lora, gradient_checkpointing=checkpointing)
+    layer = next(m for m in module.policy.modules() if type(m).__name__ == "LlamaDecoderLayer")
+    calls = _count_forwards(layer)
+
+    _fit_one_grpo_step(module, make_datamodule)
+
+    assert sum(calls) == (2 if checkpointing else 1)  # the rollout's forwards run without grad
