@@ -119,3 +119,26 @@ def test_budget_follows_the_stage(make_module, make_datamodule):
     loaders = make_datamodule(module.tokenizer).val_dataloader()
     short, long = (module._budget(next(iter(loader))["targets"]) for loader in loaders)
     assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
+
+
+class Constant(RewardFunction):
+    """The same reward for every completion; every instance is named "constant"."""
+
+    name = "constant"
+
+    def __init__(self, value: float, weight: float = 1.0) -> None:
+        super().__init__(weight)
+        self.value = value
+
+    def __call__(self, completions, targets, truncated):
+        return [self.value] * len(completions)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_datamodule):
+    # reward = 1.0 * 0.25 + 2.0 * 0.5 = 1.25 for every completion; each term logged under its own key
+    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], beta=0.0)
+    batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
+    trajectory, stats = module.generate_trajectory(batch)
+    assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
+    assert stats["train/reward_constant"] == 0.25 and stats["train/reward_constant_2"] == 0.5
