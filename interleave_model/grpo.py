@@ -4,6 +4,10 @@ Shapes: ``B`` prompts, ``G`` completions per prompt (``num_generations``), ``N =
 tokens, ``V`` vocabulary. Rewards and sequences are ordered group-major: prompt 0's ``G`` completions come first.
 Names follow TRL's ``GRPOTrainer`` where they mean the same thing (``num_generations``, ``scale_rewards``,
 ``epsilon``, ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``).
+
+KL estimators in the loss: ``k1`` estimates KL(pi || ref) without bias but, as a loss term on tokens sampled from
+pi, its expected gradient is zero (it is the score function's mean), so ``beta * k1`` regularises nothing; ``k3``
+(TRL's) and ``k2`` have gradients that pull pi toward the reference. ``k1`` remains useful as a measurement.
 """
 
 from __future__ import annotations
@@ -367,6 +371,11 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3")
     With ``log_ratio = ref_logprobs - logprobs``: ``k1 = -log_ratio`` (unbiased, can be negative),
     ``k2 = 0.5 * log_ratio**2`` (biased, >= 0), ``k3 = exp(log_ratio) - log_ratio - 1`` (unbiased, >= 0; TRL's).
 
+    Unbiased as values, not as gradients: differentiated through ``logprobs`` on tokens sampled from pi, k1's
+    expected gradient is ``sum_x pi(x) grad log pi(x) = grad sum_x pi(x) = 0``, so k1 as a loss term pulls nothing
+    toward the reference. k3's expected gradient with respect to the logits is ``pi - ref``, k2's that of
+    KL(pi || ref).
+
     Args:
         logprobs: ``[N, L]`` log-probs of the sampled tokens under the policy.
         ref_logprobs: ``[N, L]`` log-probs of the same tokens under the reference.
@@ -405,7 +414,8 @@ def policy_loss(
     Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL`` with
     ``ratio = exp(logprobs - old_logprobs)``. Aggregation (``loss_type``, TRL's names):
     ``"grpo"`` averages tokens within each sequence, then sequences; ``"dr_grpo"`` sums all tokens and divides by
-    the constant ``N * max_completion_length``; ``"dapo"`` averages over all completion tokens of the batch.
+    the constant ``N * max_completion_length`` (a setting, never the batch's width, which would make a token's weight
+    depend on how long the other completions ran); ``"dapo"`` averages over all completion tokens of the batch.
     Positions outside ``mask`` are replaced by zero before any ``exp``, so padding garbage cannot produce NaN, and a
     row with no completion tokens contributes 0 (it still counts in ``"grpo"``'s mean over sequences, as in TRL).
     The KL is measured whenever ``ref_logprobs`` is given and enters the loss only when ``beta > 0``.
@@ -422,7 +432,7 @@ def policy_loss(
         beta: KL coefficient; ``beta > 0`` needs ``ref_logprobs``.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
         loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
-        max_completion_length: The ``dr_grpo`` normaliser's length; defaults to ``L``.
+        max_completion_length: The ``dr_grpo`` normaliser's length, required by it.
 
     Returns:
         :class:`LossOutput`.
@@ -440,11 +450,12 @@ def policy_loss(
     for name, other in shapes.items():
         if other is not None and other.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    n, length = logprobs.shape
+    n = logprobs.shape[0]
     if advantages.shape != (n,):
         raise ValueError(f"advantages must be [N]=[{n}], got {tuple(advantages.shape)}")
-    max_completion_length = length if max_completion_length is None else max_completion_length
-    if max_completion_length < 1:
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
+    if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
 
     # Padding is zeroed at the inputs, before any exp: an inf or NaN there reaches neither the loss nor its gradient.

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from interleave_data.corpus import load_corpus
@@ -96,11 +96,15 @@ class InterleaveGRPO(L.LightningModule):
         max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
         budget_margin: Share of the longest target's token length added to the automatic budget.
         beta: KL coefficient; 0 skips the reference forward entirely.
-        kl_estimator: "k1", "k2" or "k3".
+        kl_estimator: "k1", "k2" or "k3". As a loss term k1's expected gradient is zero (see `grpo.kl_divergence`),
+            so `beta > 0` with k1 warns.
         epsilon: Lower clip of the ratio (1 - epsilon).
         epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
         num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
         loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level).
+        max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
+            None means `max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's longest
+            completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
         rewards: Reward functions with weights; the alignment score alone by default.
@@ -147,6 +151,7 @@ class InterleaveGRPO(L.LightningModule):
         epsilon_high: float | None = None,
         num_iterations: int = 1,
         loss_type: str = "grpo",
+        max_completion_length: int | None = None,
         scale_rewards: str = "group",
         advantage_estimator: str = "grpo",
         rewards: list[RewardFunction] | None = None,
@@ -168,6 +173,15 @@ class InterleaveGRPO(L.LightningModule):
         super().__init__()
         if num_generations < 2:
             raise ValueError(f"model.num_generations must be >= 2 for group-relative advantages, got {num_generations}")
+        if max_completion_length is not None and max_completion_length < 1:
+            raise ValueError(f"model.max_completion_length must be >= 1, got {max_completion_length}")
+        if loss_type == "dr_grpo" and (max_completion_length or max_new_tokens) is None:
+            raise ValueError("model.loss_type: dr_grpo needs model.max_completion_length (or a fixed max_new_tokens)")
+        if kl_estimator == "k1" and beta > 0:
+            rank_zero_warn(
+                "model.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
+                "use k3 (or k2)"
+            )
         self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
         self.save_hyperparameters(ignore=["rewards"])
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
@@ -347,7 +361,7 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         started = time.perf_counter()
         mask = trajectory.completion_mask.float()  # [N, C]
-        n_rows, width = mask.shape
+        n_rows = mask.shape[0]
         total_tokens = mask.sum().clamp(min=1.0)
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         optimizer = self.optimizers()
@@ -362,7 +376,7 @@ class InterleaveGRPO(L.LightningModule):
             out = grpo.policy_loss(
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
-                loss_type=hp.loss_type, max_completion_length=width,
+                loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: rows for sequence-level losses, tokens for "dapo";
             # the per-token statistics are token-weighted whatever the loss type

@@ -6,6 +6,7 @@ import lightning as L
 import pytest
 import torch
 
+from interleave_model import grpo
 from interleave_model.policy import LoraSettings
 from interleave_model.rewards import RewardFunction
 
@@ -142,3 +143,28 @@ def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_da
     trajectory, stats = module.generate_trajectory(batch)
     assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
     assert stats["train/reward_constant"] == 0.25 and stats["train/reward_constant_2"] == 0.5
+
+
+def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_module, make_datamodule, monkeypatch):
+    with pytest.raises(ValueError, match=r"dr_grpo needs model\.max_completion_length"):
+        make_module(loss_type="dr_grpo")  # at construction, not after a warm-start
+    make_module(loss_type="dr_grpo", max_new_tokens=24)  # a fixed budget is the constant
+    seen, policy_loss = [], grpo.policy_loss
+
+    def spy(logprobs, *args, **kwargs):
+        seen.append((kwargs["max_completion_length"], logprobs.shape[1]))
+        return policy_loss(logprobs, *args, **kwargs)
+
+    monkeypatch.setattr("interleave_model.module.grpo.policy_loss", spy)
+    module = make_module(loss_type="dr_grpo", max_new_tokens=24, max_completion_length=50, rewards=[CompletionLength()])
+    _fit(module, make_datamodule(module.tokenizer), steps=2)
+    assert [length for length, _ in seen] == [50, 50]
+    assert all(width <= 24 for _, width in seen)  # the rollout's width was never the normaliser
+
+
+def test_k1_in_the_loss_warns(make_module, recwarn):
+    with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
+        make_module(kl_estimator="k1", beta=0.04)
+    make_module(kl_estimator="k1", beta=0.0)  # measured only: nothing to warn about
+    make_module(kl_estimator="k3", beta=0.04)
+    assert not [w for w in recwarn if "k1" in str(w.message)]
