@@ -534,23 +534,48 @@ class InterleaveGRPO(L.LightningModule):
         return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
     def _step_optimizer(self, loss: float, phase: str) -> None:
-        """Clip, set the scheduled rate and step, unless the loss is not finite (then skip, count and log)."""
+        """Set the scheduled rate and step, unless the loss is not finite (then skip, count and log).
+
+        Clipping, and skipping a step whose gradient norm is not finite, happen inside the step, in
+        `on_before_optimizer_step`.
+        """
         optimizer = self.optimizers()
         if not math.isfinite(loss):
-            # Drop the gradients and still step: AdamW skips parameters without a grad, so neither the weights nor
-            # the optimizer state move, while the step is counted (max_steps and the LR schedule stay on time).
-            self.skipped_steps += 1
-            optimizer.zero_grad(set_to_none=True)
+            self._skip_step(optimizer)
             optimizer.step()
-            self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
             return
-        if self.hparams.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         lr = self._learning_rate(phase)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         self.log("train/lr", lr, batch_size=1)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the step if the gradient norm is not finite, else clip: here the gradients are the true ones.
+
+        Lightning calls this hook inside `optimizer.step()`, after a 16-mixed GradScaler has unscaled the gradients
+        (once) and before the update; clipping before `step()` would clip the scaled gradients (to
+        `max_grad_norm / scale`). Every rank reaches this hook once per step and agrees on the skip.
+        """
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        skip = self.trainer.strategy.reduce_boolean_decision(local, all=False)  # a collective: every rank calls it
+        if not grads:  # dropped already: a non-finite loss skipped this step and counted it
+            return
+        if skip:
+            self._skip_step(optimizer)
+        elif self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+
+    def _skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients, so the coming `step()` is counted but moves nothing, and count the skip.
+
+        AdamW skips parameters without a gradient, so neither the weights nor the optimizer state move, while the
+        step still counts (max_steps and the LR schedule stay on time).
+        """
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
 
     def _learning_rate(self, phase: str) -> float:
         """Each phase has its own schedule: SFT decays over its steps, GRPO warms up again from where SFT ended."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from interleave_model import grpo
 from interleave_model.policy import LoraSettings
@@ -168,3 +171,65 @@ def test_k1_in_the_loss_warns(make_module, recwarn):
     make_module(kl_estimator="k1", beta=0.0)  # measured only: nothing to warn about
     make_module(kl_estimator="k3", beta=0.04)
     assert not [w for w in recwarn if "k1" in str(w.message)]
+
+
+class Snapshots(L.Callback):
+    """Copies of the weights and the optimizer state after every training batch."""
+
+    def __init__(self):
+        self.taken = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+        self.taken.append((_snapshot(pl_module.policy), state))
+
+
+def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
+    module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
+    calls = []
+
+    def second_backward_is_inf(grad):  # the loss stays finite; only the gradient norm is not
+        calls.append(1)
+        return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
+
+    module.policy.model.norm.weight.register_hook(second_backward_is_inf)
+    snapshots = Snapshots()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[snapshots],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    assert len(calls) == 2 and module.skipped_steps == 1 and trainer.global_step == 2
+    (weights_1, state_1), (weights_2, state_2) = snapshots.taken
+    assert state_1  # the first step was taken
+    assert all(torch.equal(v, weights_2[k]) for k, v in weights_1.items())  # bitwise: nothing moved
+    assert state_1.keys() == state_2.keys()
+    for i, values in state_1.items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state_2[i][name])) for name, v in values.items())
+
+
+def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
+    # The Trainer turns "16-mixed" on a CPU into bf16 (no scaler); the plugin keeps fp16 and a GradScaler. With a scale
+    # of 2**10, clipping the scaled gradients to 1e-3 would leave 1e-3 / 1024 ~ 1e-6 after unscaling.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    norms = []
+
+    def record(optimizer, args, kwargs):  # runs as AdamW steps, after the scaler and the clip
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    finally:
+        handle.remove()
+    assert norms and module.skipped_steps == 0
+    assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3
