@@ -97,6 +97,7 @@ def group_advantages(
     scale_rewards: str = "group",
     estimator: str = "grpo",
     eps: float = 1e-4,
+    batch_std: Tensor | float | None = None,
 ) -> Tensor:
     """Group-relative advantages: each reward minus a baseline from its own group, optionally scaled.
 
@@ -112,6 +113,8 @@ def group_advantages(
         scale_rewards: ``"group"``, ``"batch"`` or ``"none"``.
         estimator: ``"grpo"`` or ``"rloo"``.
         eps: Added to the std before dividing.
+        batch_std: The std ``"batch"`` divides by; default: that of ``rewards``. Under data parallelism pass the
+            std of every rank's rewards, so that each rank scales as one process holding the whole batch would.
 
     Returns:
         ``[B*G]`` advantages (float32, or float64 for float64 rewards).
@@ -134,7 +137,8 @@ def group_advantages(
     if scale_rewards == "group":
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # [B, G]
     elif scale_rewards == "batch":
-        advantages = advantages / (grouped.std() + eps)  # [B, G]
+        std = grouped.std() if batch_std is None else torch.as_tensor(batch_std, dtype=grouped.dtype)
+        advantages = advantages / (std + eps)  # [B, G]
     flat = zero_std_groups(rewards, num_generations)[:, None]  # [B, 1]
     advantages = advantages.masked_fill(flat, 0.0)  # [B, G]
     return advantages.reshape(-1)  # [B*G]
@@ -408,6 +412,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
+    num_tokens: float | None = None,
 ) -> LossOutput:
     """PPO-clipped GRPO objective with an optional KL penalty to a reference.
 
@@ -433,6 +438,8 @@ def policy_loss(
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
         loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
         max_completion_length: The ``dr_grpo`` normaliser's length, required by it.
+        num_tokens: The ``dapo`` normaliser; default: the tokens in ``mask``. Under data parallelism pass the token
+            count of every rank divided by the number of ranks (DDP averages the ranks' gradients), as TRL does.
 
     Returns:
         :class:`LossOutput`.
@@ -457,6 +464,8 @@ def policy_loss(
         raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
     if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+    if num_tokens is not None and num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
 
     # Padding is zeroed at the inputs, before any exp: an inf or NaN there reaches neither the loss nor its gradient.
     mask = mask.bool()  # [N, L]
@@ -479,7 +488,7 @@ def policy_loss(
             return masked_mean(values, mask, dim=1).mean()
         if loss_type == "dr_grpo":
             return values.sum() / (n * max_completion_length)
-        return values.sum() / mask.sum().clamp(min=1)
+        return values.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
     loss = aggregate(per_token)
     with torch.no_grad():

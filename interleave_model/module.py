@@ -101,11 +101,12 @@ class InterleaveGRPO(L.LightningModule):
         epsilon: Lower clip of the ratio (1 - epsilon).
         epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
         num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
-        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level).
+        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level: the tokens of all
+            ranks).
         max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
             None means `max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's longest
             completion would reweight every token by how long its batch happened to run.
-        scale_rewards: "group", "batch" or "none" (Dr. GRPO).
+        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
         rewards: Reward functions with weights; the alignment score alone by default.
         learning_rate: Peak learning rate of the GRPO phase.
@@ -238,6 +239,8 @@ class InterleaveGRPO(L.LightningModule):
             if self.hparams.dynamic_sampling is not None:
                 trajectory, counts = refill(self, batch, trajectory)
                 stats |= counts
+            if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
+                trajectory = trajectory._replace(advantages=self._batch_scaled_advantages(trajectory.rewards))
             for _ in range(self.hparams.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
@@ -363,6 +366,9 @@ class InterleaveGRPO(L.LightningModule):
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
         total_tokens = mask.sum().clamp(min=1.0)
+        num_tokens = None
+        if hp.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
+            num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         optimizer = self.optimizers()
         optimizer.zero_grad()
@@ -377,11 +383,12 @@ class InterleaveGRPO(L.LightningModule):
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
                 loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
+                num_tokens=num_tokens,
             )  # fmt: skip
-            # each chunk's share of the whole-batch aggregate: rows for sequence-level losses, tokens for "dapo";
-            # the per-token statistics are token-weighted whatever the loss type
+            # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
+            # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
-            share = token_share if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
+            share = 1.0 if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
             self.manual_backward(out.loss * share)
             entropy = grpo.masked_mean(entropy, mask[rows])
             totals["loss"] += out.loss.item() * share
@@ -528,6 +535,19 @@ class InterleaveGRPO(L.LightningModule):
             rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
             self.reference = frozen_copy(self.policy)
         yield self.reference
+
+    def _batch_scaled_advantages(self, rewards: Tensor) -> Tensor:
+        """Advantages scaled by the reward std of every rank's batch, as one process holding them all would."""
+        count = self._sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
+        mean = self._sum_over_ranks(rewards.sum()) / count
+        squares = self._sum_over_ranks((rewards - mean).pow(2).sum())
+        std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
+        hp = self.hparams
+        return grpo.group_advantages(rewards, hp.num_generations, "batch", hp.advantage_estimator, batch_std=std)
+
+    def _sum_over_ranks(self, x: Tensor) -> Tensor:
+        """The sum of a tensor over all ranks (the tensor itself on one process)."""
+        return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
 
     def _row_chunks(self, n_rows: int) -> list[slice]:
         size = self.hparams.micro_batch_size or n_rows

@@ -52,6 +52,12 @@ def test_advantages_batch_scaling_uses_std_of_whole_batch():
     torch.testing.assert_close(adv, torch.tensor([half_root7, -half_root7, -half_root7, half_root7, 0, 0, 0, 0]))
 
 
+def test_advantages_batch_scaling_takes_the_std_of_all_ranks_when_given():
+    # the std of every rank's rewards, say 0.25: group 0 gives 0.5 / 0.25 = 2; group 1 stays exactly 0
+    adv = group_advantages(REWARDS, num_generations=4, scale_rewards="batch", eps=0.0, batch_std=torch.tensor(0.25))
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2.0, -2.0, 2.0, 0, 0, 0, 0]))
+
+
 def test_rloo_leaves_each_completion_out_of_its_baseline():
     # [1, 0, 0]: baselines (0+0)/2 = 0, (1+0)/2 = 0.5, 0.5 -> [1, -0.5, -0.5]
     # check: G/(G-1) * (r - mean) = 3/2 * [2/3, -1/3, -1/3] = [1, -0.5, -0.5]
@@ -228,6 +234,12 @@ def test_loss_types(loss_type, max_completion_length, expected):
     assert (logprobs.grad[MASK == 0] == 0).all()
 
 
+def test_dapo_divides_by_the_token_count_it_is_given():
+    # the same per-token sum 1 (as above) over the 8 tokens of every rank / 2 ranks = 4 -> 1/4, not 1/3
+    out = policy_loss(LOGPROBS, OLD, ADV, MASK, loss_type="dapo", num_tokens=4.0)
+    torch.testing.assert_close(out.loss, torch.tensor(0.25))
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_empty_mask_row_gives_finite_loss_and_gradient(loss_type):
     # row 1 has no completion token and garbage everywhere; row 0: ratio 1, A = 2 -> per-token -2
@@ -291,6 +303,7 @@ def test_first_pass_ratio_is_one_but_gradient_is_the_policy_gradient():
         {"beta": -1.0},
         {"max_completion_length": 0},
         {"loss_type": "dr_grpo"},  # no constant: the batch's width would be the only length left
+        {"loss_type": "dapo", "num_tokens": 0.0},
     ],
 )
 def test_policy_loss_rejects_bad_arguments(kwargs):
