@@ -4,6 +4,10 @@ Shapes: ``B`` prompts, ``G`` completions per prompt (``num_generations``), ``N =
 tokens, ``V`` vocabulary. Rewards and sequences are ordered group-major: prompt 0's ``G`` completions come first.
 Names follow TRL's ``GRPOTrainer`` where they mean the same thing (``num_generations``, ``scale_rewards``,
 ``epsilon``, ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``).
+
+KL estimators in the loss: ``k1`` estimates KL(pi || ref) without bias but, as a loss term on tokens sampled from
+pi, its expected gradient is zero (it is the score function's mean), so ``beta * k1`` regularises nothing; ``k3``
+(TRL's) and ``k2`` have gradients that pull pi toward the reference. ``k1`` remains useful as a measurement.
 """
 
 from __future__ import annotations
@@ -93,6 +97,7 @@ def group_advantages(
     scale_rewards: str = "group",
     estimator: str = "grpo",
     eps: float = 1e-4,
+    batch_std: Tensor | float | None = None,
 ) -> Tensor:
     """Group-relative advantages: each reward minus a baseline from its own group, optionally scaled.
 
@@ -108,6 +113,8 @@ def group_advantages(
         scale_rewards: ``"group"``, ``"batch"`` or ``"none"``.
         estimator: ``"grpo"`` or ``"rloo"``.
         eps: Added to the std before dividing.
+        batch_std: The std ``"batch"`` divides by; default: that of ``rewards``. Under data parallelism pass the
+            std of every rank's rewards, so that each rank scales as one process holding the whole batch would.
 
     Returns:
         ``[B*G]`` advantages (float32, or float64 for float64 rewards).
@@ -130,7 +137,8 @@ def group_advantages(
     if scale_rewards == "group":
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # [B, G]
     elif scale_rewards == "batch":
-        advantages = advantages / (grouped.std() + eps)  # [B, G]
+        std = grouped.std() if batch_std is None else torch.as_tensor(batch_std, dtype=grouped.dtype)
+        advantages = advantages / (std + eps)  # [B, G]
     flat = zero_std_groups(rewards, num_generations)[:, None]  # [B, 1]
     advantages = advantages.masked_fill(flat, 0.0)  # [B, G]
     return advantages.reshape(-1)  # [B*G]
@@ -367,6 +375,11 @@ def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3")
     With ``log_ratio = ref_logprobs - logprobs``: ``k1 = -log_ratio`` (unbiased, can be negative),
     ``k2 = 0.5 * log_ratio**2`` (biased, >= 0), ``k3 = exp(log_ratio) - log_ratio - 1`` (unbiased, >= 0; TRL's).
 
+    Unbiased as values, not as gradients: differentiated through ``logprobs`` on tokens sampled from pi, k1's
+    expected gradient is ``sum_x pi(x) grad log pi(x) = grad sum_x pi(x) = 0``, so k1 as a loss term pulls nothing
+    toward the reference. k3's expected gradient with respect to the logits is ``pi - ref``, k2's that of
+    KL(pi || ref).
+
     Args:
         logprobs: ``[N, L]`` log-probs of the sampled tokens under the policy.
         ref_logprobs: ``[N, L]`` log-probs of the same tokens under the reference.
@@ -399,13 +412,15 @@ def policy_loss(
     kl_estimator: str = "k3",
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
+    num_tokens: float | None = None,
 ) -> LossOutput:
     """PPO-clipped GRPO objective with an optional KL penalty to a reference.
 
     Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL`` with
     ``ratio = exp(logprobs - old_logprobs)``. Aggregation (``loss_type``, TRL's names):
     ``"grpo"`` averages tokens within each sequence, then sequences; ``"dr_grpo"`` sums all tokens and divides by
-    the constant ``N * max_completion_length``; ``"dapo"`` averages over all completion tokens of the batch.
+    the constant ``N * max_completion_length`` (a setting, never the batch's width, which would make a token's weight
+    depend on how long the other completions ran); ``"dapo"`` averages over all completion tokens of the batch.
     Positions outside ``mask`` are replaced by zero before any ``exp``, so padding garbage cannot produce NaN, and a
     row with no completion tokens contributes 0 (it still counts in ``"grpo"``'s mean over sequences, as in TRL).
     The KL is measured whenever ``ref_logprobs`` is given and enters the loss only when ``beta > 0``.
@@ -422,7 +437,9 @@ def policy_loss(
         beta: KL coefficient; ``beta > 0`` needs ``ref_logprobs``.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
         loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
-        max_completion_length: The ``dr_grpo`` normaliser's length; defaults to ``L``.
+        max_completion_length: The ``dr_grpo`` normaliser's length, required by it.
+        num_tokens: The ``dapo`` normaliser; default: the tokens in ``mask``. Under data parallelism pass the token
+            count of every rank divided by the number of ranks (DDP averages the ranks' gradients), as TRL does.
 
     Returns:
         :class:`LossOutput`.
@@ -440,12 +457,15 @@ def policy_loss(
     for name, other in shapes.items():
         if other is not None and other.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    n, length = logprobs.shape
+    n = logprobs.shape[0]
     if advantages.shape != (n,):
         raise ValueError(f"advantages must be [N]=[{n}], got {tuple(advantages.shape)}")
-    max_completion_length = length if max_completion_length is None else max_completion_length
-    if max_completion_length < 1:
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
+    if max_completion_length is not None and max_completion_length < 1:
         raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+    if num_tokens is not None and num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
 
     # Padding is zeroed at the inputs, before any exp: an inf or NaN there reaches neither the loss nor its gradient.
     mask = mask.bool()  # [N, L]
@@ -468,7 +488,7 @@ def policy_loss(
             return masked_mean(values, mask, dim=1).mean()
         if loss_type == "dr_grpo":
             return values.sum() / (n * max_completion_length)
-        return values.sum() / mask.sum().clamp(min=1)
+        return values.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
     loss = aggregate(per_token)
     with torch.no_grad():

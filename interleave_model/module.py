@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from interleave_data.corpus import load_corpus
@@ -101,12 +101,17 @@ class InterleaveGRPO(L.LightningModule):
         max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
         budget_margin: Share of the longest target's token length added to the automatic budget.
         beta: KL coefficient; 0 skips the reference forward entirely.
-        kl_estimator: "k1", "k2" or "k3".
+        kl_estimator: "k1", "k2" or "k3". As a loss term k1's expected gradient is zero (see `grpo.kl_divergence`),
+            so `beta > 0` with k1 warns.
         epsilon: Lower clip of the ratio (1 - epsilon).
         epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
         num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
-        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level).
-        scale_rewards: "group", "batch" or "none" (Dr. GRPO).
+        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level: the tokens of all
+            ranks).
+        max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
+            None means `max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's longest
+            completion would reweight every token by how long its batch happened to run.
+        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
         rewards: Reward functions with weights; the alignment score alone by default.
         learning_rate: Peak learning rate of the GRPO phase.
@@ -153,6 +158,7 @@ class InterleaveGRPO(L.LightningModule):
         epsilon_high: float | None = None,
         num_iterations: int = 1,
         loss_type: str = "grpo",
+        max_completion_length: int | None = None,
         scale_rewards: str = "group",
         advantage_estimator: str = "grpo",
         rewards: list[RewardFunction] | None = None,
@@ -174,6 +180,15 @@ class InterleaveGRPO(L.LightningModule):
         super().__init__()
         if num_generations < 2:
             raise ValueError(f"model.num_generations must be >= 2 for group-relative advantages, got {num_generations}")
+        if max_completion_length is not None and max_completion_length < 1:
+            raise ValueError(f"model.max_completion_length must be >= 1, got {max_completion_length}")
+        if loss_type == "dr_grpo" and (max_completion_length or max_new_tokens) is None:
+            raise ValueError("model.loss_type: dr_grpo needs model.max_completion_length (or a fixed max_new_tokens)")
+        if kl_estimator == "k1" and beta > 0:
+            rank_zero_warn(
+                "model.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
+                "use k3 (or k2)"
+            )
         self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
         self.save_hyperparameters(ignore=["rewards"])
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
@@ -239,6 +254,8 @@ class InterleaveGRPO(L.LightningModule):
             if self.hparams.dynamic_sampling is not None:
                 trajectory, counts = refill(self, batch, trajectory)
                 stats |= counts
+            if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
+                trajectory = trajectory._replace(advantages=self._batch_scaled_advantages(trajectory.rewards))
             for _ in range(self.hparams.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
@@ -363,8 +380,11 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         started = time.perf_counter()
         mask = trajectory.completion_mask.float()  # [N, C]
-        n_rows, width = mask.shape
+        n_rows = mask.shape[0]
         total_tokens = mask.sum().clamp(min=1.0)
+        num_tokens = None
+        if hp.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
+            num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         optimizer = self.optimizers()
         optimizer.zero_grad()
@@ -378,12 +398,13 @@ class InterleaveGRPO(L.LightningModule):
             out = grpo.policy_loss(
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
-                loss_type=hp.loss_type, max_completion_length=width,
+                loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
+                num_tokens=num_tokens,
             )  # fmt: skip
-            # each chunk's share of the whole-batch aggregate: rows for sequence-level losses, tokens for "dapo";
-            # the per-token statistics are token-weighted whatever the loss type
+            # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
+            # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
-            share = token_share if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
+            share = 1.0 if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
             self.manual_backward(out.loss * share)
             entropy = grpo.masked_mean(entropy, mask[rows])
             totals["loss"] += out.loss.item() * share
@@ -533,28 +554,66 @@ class InterleaveGRPO(L.LightningModule):
         with _eval_mode(self.reference):
             yield self.reference
 
+    def _batch_scaled_advantages(self, rewards: Tensor) -> Tensor:
+        """Advantages scaled by the reward std of every rank's batch, as one process holding them all would."""
+        count = self._sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
+        mean = self._sum_over_ranks(rewards.sum()) / count
+        squares = self._sum_over_ranks((rewards - mean).pow(2).sum())
+        std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
+        hp = self.hparams
+        return grpo.group_advantages(rewards, hp.num_generations, "batch", hp.advantage_estimator, batch_std=std)
+
+    def _sum_over_ranks(self, x: Tensor) -> Tensor:
+        """The sum of a tensor over all ranks (the tensor itself on one process)."""
+        return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
+
     def _row_chunks(self, n_rows: int) -> list[slice]:
         size = self.hparams.micro_batch_size or n_rows
         return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
     def _step_optimizer(self, loss: float, phase: str) -> None:
-        """Clip, set the scheduled rate and step, unless the loss is not finite (then skip, count and log)."""
+        """Set the scheduled rate and step, unless the loss is not finite (then skip, count and log).
+
+        Clipping, and skipping a step whose gradient norm is not finite, happen inside the step, in
+        `on_before_optimizer_step`.
+        """
         optimizer = self.optimizers()
         if not math.isfinite(loss):
-            # Drop the gradients and still step: AdamW skips parameters without a grad, so neither the weights nor
-            # the optimizer state move, while the step is counted (max_steps and the LR schedule stay on time).
-            self.skipped_steps += 1
-            optimizer.zero_grad(set_to_none=True)
+            self._skip_step(optimizer)
             optimizer.step()
-            self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
             return
-        if self.hparams.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
         lr = self._learning_rate(phase)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
         self.log("train/lr", lr, batch_size=1)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Skip the step if the gradient norm is not finite, else clip: here the gradients are the true ones.
+
+        Lightning calls this hook inside `optimizer.step()`, after a 16-mixed GradScaler has unscaled the gradients
+        (once) and before the update; clipping before `step()` would clip the scaled gradients (to
+        `max_grad_norm / scale`). Every rank reaches this hook once per step and agrees on the skip.
+        """
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        local = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        skip = self.trainer.strategy.reduce_boolean_decision(local, all=False)  # a collective: every rank calls it
+        if not grads:  # dropped already: a non-finite loss skipped this step and counted it
+            return
+        if skip:
+            self._skip_step(optimizer)
+        elif self.hparams.max_grad_norm:
+            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+
+    def _skip_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Drop the gradients, so the coming `step()` is counted but moves nothing, and count the skip.
+
+        AdamW skips parameters without a gradient, so neither the weights nor the optimizer state move, while the
+        step still counts (max_steps and the LR schedule stay on time).
+        """
+        self.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
 
     def _learning_rate(self, phase: str) -> float:
         """Each phase has its own schedule: SFT decays over its steps, GRPO warms up again from where SFT ended."""

@@ -72,7 +72,17 @@ class FormatReward(RewardFunction):
 def combine(
     functions: Sequence[RewardFunction], completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool]
 ) -> tuple[list[float], dict[str, list[float]]]:
-    """Weighted sum of every reward function, and each term's raw values (for logging)."""
-    terms = {f.name: f(completions, targets, truncated) for f in functions}
-    total = [sum(f.weight * terms[f.name][i] for f in functions) for i in range(len(completions))]
+    """Weighted sum of every reward function, and each term's raw values (for logging).
+
+    Terms are keyed by the function's `name`; a name already taken gets `_2`, `_3`... (`alignment`, `alignment_2`),
+    so two functions of one class each count and each get logged.
+    """
+    total, terms = [0.0] * len(completions), {}
+    for function in functions:
+        values = function(completions, targets, truncated)
+        key, n = function.name, 2
+        while key in terms:
+            key, n = f"{function.name}_{n}", n + 1
+        terms[key] = values
+        total = [t + function.weight * v for t, v in zip(total, values, strict=True)]
     return total, terms

@@ -18,7 +18,11 @@ import yaml
 
 from cli import main
 from interleave_model.callbacks import CurriculumCallback
-from tests.conftest import TINY_CONFIG
+from interleave_model.module import InterleaveGRPO
+from interleave_model.policy import TinyModelConfig
+from interleave_model.rewards import RewardFunction
+from interleave_model.rollout import Rollout
+from tests.conftest import TINY_CONFIG, TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -92,3 +96,94 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
     assert resumed.trainer.global_step == 7
     restored = next(c for c in resumed.trainer.callbacks if isinstance(c, CurriculumCallback)).state
     assert restored.history == rank0["curriculum"]["history"] and restored.stage_index == 1
+
+
+# ---- the math across ranks: dapo's token count and "batch" reward scaling -------------------------------------------
+
+
+class ScriptedReward(RewardFunction):
+    """Completion "k g" (prompt k, sample g) scores (k + 1)**2 * (g + 1) / 10: each rank's spread differs."""
+
+    name = "scripted"
+
+    def __call__(self, completions, targets, truncated):
+        return [(int(k) + 1) ** 2 * (int(g) + 1) / 10 for k, g in (c.split() for c in completions)]
+
+
+class ScriptedGRPO(InterleaveGRPO):
+    """Completions fixed by prompt, so that any split of the prompts over ranks trains on the very same rows, and
+    plain SGD, so that the update is the gradient itself (AdamW would hide a wrong normaliser). Each GRPO step writes
+    what it saw to `<record_dir>/rank<r>.json`."""
+
+    record_dir = ""
+
+    def _rollout(self, batch, num_generations, temperature, generator=None):
+        G, pad = num_generations, self.tokenizer.pad_token_id
+        # prompt k's sample g has 2 + 2k^2 + g tokens (2, 3 | 4, 5 | 10, 11 | 20, 21): however the sampler splits the
+        # four prompts over two ranks, the ranks hold different token counts
+        rows = [[10 + (k + g + j) % 20 for j in range(2 + 2 * k * k + g)] for k in batch["ids"] for g in range(G)]
+        completion_ids = torch.full((len(rows), max(map(len, rows))), pad)  # [P*G, C]
+        completion_mask = torch.zeros_like(completion_ids)  # [P*G, C]
+        for i, row in enumerate(rows):
+            completion_ids[i, : len(row)], completion_mask[i, : len(row)] = torch.tensor(row), 1
+        texts = [f"{k} {g}" for k in batch["ids"] for g in range(G)]
+        prompt_ids, prompt_mask = (batch[key].repeat_interleave(G, 0) for key in ("prompt_ids", "prompt_mask"))
+        return Rollout(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, torch.zeros(len(rows), dtype=bool), texts
+        )
+
+    def configure_optimizers(self):
+        return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+
+    def grpo_step(self, trajectory):
+        stats = super().grpo_step(trajectory)
+        record = {"texts": trajectory.rollout.texts, "advantages": trajectory.advantages.tolist()}
+        record["loss"] = stats["train/loss"]
+        (Path(self.record_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
+        return stats
+
+
+def _collate(items: list[int]) -> dict:
+    prompt_ids = torch.tensor([[5 + k, 6, 7] for k in items])  # [P, 3]
+    n = len(items)
+    return {
+        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "prompts": [""] * n,
+        "targets": ["x"] * n, "ids": items, "n_words": [4] * n, "phase": "grpo",
+    }  # fmt: skip
+
+
+def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[dict]]:
+    module = ScriptedGRPO(
+        tiny=TinyModelConfig(**TINY_SHAPE), template="compact", num_generations=2, beta=0.0, loss_type="dapo",
+        scale_rewards="batch", rewards=[ScriptedReward()], learning_rate=0.5, lr_schedule="constant", max_grad_norm=0,
+    )  # fmt: skip
+    module.record_dir = str(record_dir)
+    record_dir.mkdir()
+    # two ranks take two prompts each (Lightning's DistributedSampler); one process takes all four
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=4 // devices, collate_fn=_collate)
+    strategy = {"strategy": "ddp_spawn"} if devices > 1 else {}
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, **strategy,
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+    records = [json.loads(path.read_text()) for path in sorted(record_dir.glob("rank*.json"))]
+    return module, records
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_path):
+    before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]
+    one, (whole,) = _train_one_step(tmp_path / "one", devices=1)
+    two, ranks = _train_one_step(tmp_path / "two", devices=2)  # gloo on a CPU; rank 0's weights come back here
+
+    assert len(ranks) == 2 and sorted(ranks[0]["texts"] + ranks[1]["texts"]) == sorted(whole["texts"])
+    advantages = dict(zip(whole["texts"], whole["advantages"], strict=True))  # "batch": the std of all 8 rewards
+    for rank in ranks:
+        assert rank["advantages"] == pytest.approx([advantages[t] for t in rank["texts"]], rel=1e-5)
+    # dapo: each rank divides its token sum by (all tokens / 2) and DDP averages the two gradients
+    assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(whole["loss"], rel=1e-5)
+    # the updates agree: the step moved the weights, and two ranks moved them as one process did
+    assert any(not torch.equal(a, b) for a, b in zip(before, one.policy.parameters(), strict=True))
+    for (name, a), b in zip(one.policy.named_parameters(), two.policy.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)

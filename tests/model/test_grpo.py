@@ -52,6 +52,12 @@ def test_advantages_batch_scaling_uses_std_of_whole_batch():
     torch.testing.assert_close(adv, torch.tensor([half_root7, -half_root7, -half_root7, half_root7, 0, 0, 0, 0]))
 
 
+def test_advantages_batch_scaling_takes_the_std_of_all_ranks_when_given():
+    # the std of every rank's rewards, say 0.25: group 0 gives 0.5 / 0.25 = 2; group 1 stays exactly 0
+    adv = group_advantages(REWARDS, num_generations=4, scale_rewards="batch", eps=0.0, batch_std=torch.tensor(0.25))
+    torch.testing.assert_close(adv, torch.tensor([2.0, -2.0, -2.0, 2.0, 0, 0, 0, 0]))
+
+
 def test_rloo_leaves_each_completion_out_of_its_baseline():
     # [1, 0, 0]: baselines (0+0)/2 = 0, (1+0)/2 = 0.5, 0.5 -> [1, -0.5, -0.5]
     # check: G/(G-1) * (r - mean) = 3/2 * [2/3, -1/3, -1/3] = [1, -0.5, -0.5]
@@ -135,6 +141,28 @@ def test_k1_and_k3_are_unbiased_and_k3_nonnegative():
     assert (kl_divergence(a[None], b[None], "k3") >= 0).all()
 
 
+def _expected_kl_gradient(estimator: str, p: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Exact E_{x ~ p}[grad_logits k(x)]: every token of the vocabulary weighted by its (detached) probability."""
+    logits = p.log().requires_grad_()
+    logprobs = torch.log_softmax(logits, dim=-1)  # [1, V]
+    (p * kl_divergence(logprobs, ref.log(), estimator)).sum().backward()
+    return logits.grad
+
+
+def test_k1_has_zero_expected_gradient_unlike_k2_and_k3():
+    # p = [0.5, 0.25, 0.25], ref = [0.25, 0.25, 0.5]; d log p_x / d z_j = 1[x == j] - p_j
+    # k1 = log p - log ref: sum_x p_x (1[x == j] - p_j) = p_j - p_j = 0 -> [0, 0, 0]
+    # k3 = r - log r - 1 with r = ref / p, d k3 / d log p = 1 - r:
+    #   sum_x p_x (1 - r_x)(1[x == j] - p_j) = p_j (1 - r_j) - p_j (1 - sum ref) = p_j - ref_j = [0.25, 0, -0.25]
+    # k2 = 0.5 log(ref/p)^2, d k2 / d log p = log(p/ref): p_j log(p_j/ref_j) - p_j KL = grad KL(p || ref)
+    #   KL = 0.5 ln2 + 0 + 0.25 ln(1/2) = 0.25 ln2 -> [0.5 (ln2 - 0.25 ln2), -0.25 * 0.25 ln2, 0.25 (-ln2 - 0.25 ln2)]
+    #   = ln2 * [0.375, -0.0625, -0.3125]
+    p, ref = torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([[0.25, 0.25, 0.5]])
+    torch.testing.assert_close(_expected_kl_gradient("k1", p, ref), torch.zeros(1, 3))
+    torch.testing.assert_close(_expected_kl_gradient("k3", p, ref), torch.tensor([[0.25, 0.0, -0.25]]))
+    torch.testing.assert_close(_expected_kl_gradient("k2", p, ref), LN2 * torch.tensor([[0.375, -0.0625, -0.3125]]))
+
+
 def test_kl_rejects_unknown_estimator():
     with pytest.raises(ValueError, match="k4"):
         kl_divergence(LOGP, REF, "k4")
@@ -191,8 +219,8 @@ ADV = torch.tensor([1.0, -3.0])
     ("loss_type", "max_completion_length", "expected"),
     [
         ("grpo", None, 1.0),  # sequence means [-2/2, 3/1] = [-1, 3], mean over sequences (-1 + 3) / 2 = 1
-        ("dr_grpo", None, 1 / 6),  # sum (-1 - 1 + 3) = 1 over N * L = 2 * 3 = 6
-        ("dr_grpo", 4, 1 / 8),  # 1 over N * max_completion_length = 2 * 4 = 8
+        ("dr_grpo", 3, 1 / 6),  # sum (-1 - 1 + 3) = 1 over N * max_completion_length = 2 * 3 = 6
+        ("dr_grpo", 4, 1 / 8),  # 1 over 2 * 4 = 8: the constant, not the batch's width L = 3
         ("dapo", None, 1 / 3),  # sum 1 over 3 completion tokens
     ],
 )
@@ -206,6 +234,12 @@ def test_loss_types(loss_type, max_completion_length, expected):
     assert (logprobs.grad[MASK == 0] == 0).all()
 
 
+def test_dapo_divides_by_the_token_count_it_is_given():
+    # the same per-token sum 1 (as above) over the 8 tokens of every rank / 2 ranks = 4 -> 1/4, not 1/3
+    out = policy_loss(LOGPROBS, OLD, ADV, MASK, loss_type="dapo", num_tokens=4.0)
+    torch.testing.assert_close(out.loss, torch.tensor(0.25))
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_empty_mask_row_gives_finite_loss_and_gradient(loss_type):
     # row 1 has no completion token and garbage everywhere; row 0: ratio 1, A = 2 -> per-token -2
@@ -213,7 +247,10 @@ def test_empty_mask_row_gives_finite_loss_and_gradient(loss_type):
     old = torch.tensor([[-1.0, -1.0], [float("-inf"), float("nan")]])
     ref = torch.tensor([[-1.0, -1.0], [float("inf"), float("-inf")]])
     mask = torch.tensor([[True, True], [False, False]])
-    out = policy_loss(logprobs, old, torch.tensor([2.0, 0.0]), mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type)
+    out = policy_loss(
+        logprobs, old, torch.tensor([2.0, 0.0]), mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type,
+        max_completion_length=2,
+    )  # fmt: skip
     assert all(torch.isfinite(t) for t in out)
     out.loss.backward()
     assert torch.isfinite(logprobs.grad).all()
@@ -260,7 +297,14 @@ def test_first_pass_ratio_is_one_but_gradient_is_the_policy_gradient():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"loss_type": "bnpo"}, {"epsilon": -0.1}, {"beta": -1.0}, {"max_completion_length": 0}],
+    [
+        {"loss_type": "bnpo"},
+        {"epsilon": -0.1},
+        {"beta": -1.0},
+        {"max_completion_length": 0},
+        {"loss_type": "dr_grpo"},  # no constant: the batch's width would be the only length left
+        {"loss_type": "dapo", "num_tokens": 0.0},
+    ],
 )
 def test_policy_loss_rejects_bad_arguments(kwargs):
     with pytest.raises(ValueError):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from interleave_model import grpo
 from interleave_model.policy import LoraSettings
 from interleave_model.rewards import RewardFunction
 
@@ -119,3 +123,113 @@ def test_budget_follows_the_stage(make_module, make_datamodule):
     loaders = make_datamodule(module.tokenizer).val_dataloader()
     short, long = (module._budget(next(iter(loader))["targets"]) for loader in loaders)
     assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
+
+
+class Constant(RewardFunction):
+    """The same reward for every completion; every instance is named "constant"."""
+
+    name = "constant"
+
+    def __init__(self, value: float, weight: float = 1.0) -> None:
+        super().__init__(weight)
+        self.value = value
+
+    def __call__(self, completions, targets, truncated):
+        return [self.value] * len(completions)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_datamodule):
+    # reward = 1.0 * 0.25 + 2.0 * 0.5 = 1.25 for every completion; each term logged under its own key
+    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], beta=0.0)
+    batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
+    trajectory, stats = module.generate_trajectory(batch)
+    assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
+    assert stats["train/reward_constant"] == 0.25 and stats["train/reward_constant_2"] == 0.5
+
+
+def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_module, make_datamodule, monkeypatch):
+    with pytest.raises(ValueError, match=r"dr_grpo needs model\.max_completion_length"):
+        make_module(loss_type="dr_grpo")  # at construction, not after a warm-start
+    make_module(loss_type="dr_grpo", max_new_tokens=24)  # a fixed budget is the constant
+    seen, policy_loss = [], grpo.policy_loss
+
+    def spy(logprobs, *args, **kwargs):
+        seen.append((kwargs["max_completion_length"], logprobs.shape[1]))
+        return policy_loss(logprobs, *args, **kwargs)
+
+    monkeypatch.setattr("interleave_model.module.grpo.policy_loss", spy)
+    module = make_module(loss_type="dr_grpo", max_new_tokens=24, max_completion_length=50, rewards=[CompletionLength()])
+    _fit(module, make_datamodule(module.tokenizer), steps=2)
+    assert [length for length, _ in seen] == [50, 50]
+    assert all(width <= 24 for _, width in seen)  # the rollout's width was never the normaliser
+
+
+def test_k1_in_the_loss_warns(make_module, recwarn):
+    with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
+        make_module(kl_estimator="k1", beta=0.04)
+    make_module(kl_estimator="k1", beta=0.0)  # measured only: nothing to warn about
+    make_module(kl_estimator="k3", beta=0.04)
+    assert not [w for w in recwarn if "k1" in str(w.message)]
+
+
+class Snapshots(L.Callback):
+    """Copies of the weights and the optimizer state after every training batch."""
+
+    def __init__(self):
+        self.taken = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        state = copy.deepcopy(trainer.optimizers[0].state_dict()["state"])
+        self.taken.append((_snapshot(pl_module.policy), state))
+
+
+def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
+    module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
+    calls = []
+
+    def second_backward_is_inf(grad):  # the loss stays finite; only the gradient norm is not
+        calls.append(1)
+        return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
+
+    module.policy.model.norm.weight.register_hook(second_backward_is_inf)
+    snapshots = Snapshots()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[snapshots],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    assert len(calls) == 2 and module.skipped_steps == 1 and trainer.global_step == 2
+    (weights_1, state_1), (weights_2, state_2) = snapshots.taken
+    assert state_1  # the first step was taken
+    assert all(torch.equal(v, weights_2[k]) for k, v in weights_1.items())  # bitwise: nothing moved
+    assert state_1.keys() == state_2.keys()
+    for i, values in state_1.items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(state_2[i][name])) for name, v in values.items())
+
+
+def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
+    # The Trainer turns "16-mixed" on a CPU into bf16 (no scaler); the plugin keeps fp16 and a GradScaler. With a scale
+    # of 2**10, clipping the scaled gradients to 1e-3 would leave 1e-3 / 1024 ~ 1e-6 after unscaling.
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    norms = []
+
+    def record(optimizer, args, kwargs):  # runs as AdamW steps, after the scaler and the clip
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norms.append(torch.nn.utils.get_total_norm(grads).item())
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    handle = register_optimizer_step_pre_hook(record)
+    try:
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
+        )  # fmt: skip
+        trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    finally:
+        handle.remove()
+    assert norms and module.skipped_steps == 0
+    assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3

@@ -1,0 +1,45 @@
+"""Reward functions and their weighted sum."""
+
+from __future__ import annotations
+
+import pytest
+
+from interleave_model.rewards import AlignmentReward, FormatReward, RewardFunction, combine
+
+
+class Constant(RewardFunction):
+    """The same reward for every completion; all instances share one name."""
+
+    name = "constant"
+
+    def __init__(self, value: float, weight: float = 1.0) -> None:
+        super().__init__(weight)
+        self.value = value
+
+    def __call__(self, completions, targets, truncated):
+        return [self.value] * len(completions)
+
+
+def test_functions_sharing_a_name_all_count_and_are_all_logged():
+    # 1.0 * 0.25 + 2.0 * 0.5 + 0.5 * 1.0 = 0.25 + 1.0 + 0.5 = 1.75 for each of the two completions
+    functions = [Constant(0.25), Constant(0.5, weight=2.0), Constant(1.0, weight=0.5)]
+    total, terms = combine(functions, ["a b", "b a"], ["a b", "a b"], [False, False])
+    assert total == [1.75, 1.75]
+    assert terms == {"constant": [0.25, 0.25], "constant_2": [0.5, 0.5], "constant_3": [1.0, 1.0]}
+
+
+def test_alignment_and_format_are_weighted_and_summed():
+    # "a b c" vs target "a b": alignment 1 - 1 edit / 3 words = 2/3; format: 1 extra word over a 2-word target
+    # -> 0.5 * (1/2) = 0.25 penalty, truncated adds 0.5 -> -0.75; total = 2/3 + 0.1 * -0.75 = 0.59167
+    total, terms = combine([AlignmentReward(), FormatReward()], ["a b c"], ["a b"], [True])
+    assert terms["format"] == [-0.75]
+    assert total == pytest.approx([2 / 3 - 0.075])
+
+
+def test_a_function_returning_the_wrong_count_is_refused():
+    class Short(RewardFunction):
+        def __call__(self, completions, targets, truncated):
+            return [1.0]
+
+    with pytest.raises(ValueError):
+        combine([Short()], ["a", "b"], ["a", "b"], [False, False])
