@@ -85,8 +85,9 @@ def test_texts_are_the_tokens_before_the_first_stop_and_nothing_else(family_fold
     # row 0 ends at the tokenizer's EOS, row 1 at another stop id (then writes id 0), row 2 runs out of budget
     script = torch.tensor([a + [eot, 5, 6, 7], b + [eom] + [0] * (width - len(b) - 1), a + [8, 9, 10, 11]])
     prompt = torch.tensor([[1, 2], [1, 2], [1, 2]])
+    # the script follows the batch's rows, so no row may be retired (no look at finished rows before the end)
     out = rollout(_ScriptedLM(script, len(tok)), tok, prompt, torch.ones_like(prompt), stop_ids=[1025, eom, eot],
-                  num_generations=1, max_new_tokens=width, temperature=0.0)  # fmt: skip
+                  num_generations=1, max_new_tokens=width, temperature=0.0, check_every=width)  # fmt: skip
     assert out.texts == ["the cat sat", "the dog", " ".join(tok.decode(a + [8, 9, 10, 11]).split())]
     assert out.completion_mask.sum(-1).tolist() == [len(a) + 1, len(b) + 1, width]  # through the first stop token
     assert (out.completion_ids[1, len(b) + 1 :] == tok.pad_token_id).all()
