@@ -101,7 +101,8 @@ def sample(
         # one mask for the whole rollout, each step passes a longer view of it (no per-step concatenation)
         attention = prompt_mask.new_ones(n, prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
         attention[:, :prompt_length] = prompt_mask.repeat_interleave(G, dim=0)
-        attention = _decode_mask(model, attention, padded=not bool(prompt_mask.all()))
+        if grouped:  # plain full-attention layers: a sliding window would be lost in a 4-D mask passed as is
+            attention = _decode_mask(model, attention, padded=not bool(prompt_mask.all()))
         position = positions[:, -1:].repeat_interleave(G, dim=0)  # [R, 1]
         rows = torch.arange(n, device=logits.device)  # [R] the running rows' index in the batch
         finished = torch.zeros(n, dtype=torch.bool, device=logits.device)  # [P*G]
@@ -150,7 +151,7 @@ def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Ten
     Given a 2-D mask, transformers' mask creation checks at every step whether it holds any padding (a host sync).
     A 4-D mask is passed through unchecked, so SDPA and eager attention get the 4-D mask they would build from
     `attention` [N, L] for one query, [N, 1, 1, L] (boolean for SDPA, additive for eager). A batch without padding
-    gets none, as transformers would find itself. Other attention implementations get the 2-D mask.
+    gets none, as transformers would find itself. Other attention implementations get the 2-D mask (and check it).
     """
     if not padded:
         return None
@@ -158,7 +159,7 @@ def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Ten
     if implementation == "sdpa":
         return attention.bool()[:, None, None, :]
     if implementation == "eager":
-        dtype = next(model.parameters()).dtype
+        dtype = model.get_input_embeddings().weight.dtype  # transformers' choice: the dtype of the embeddings
         additive = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
         return additive.masked_fill_(attention == 0, torch.finfo(dtype).min)[:, None, None, :]
     return attention
