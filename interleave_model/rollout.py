@@ -8,10 +8,11 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+
+from interleave_model.rollout_cache import rollout_cache
 
 _BLOCK = 256  # tokens per block of the sampler's two-level CDF
+_CHECK_EVERY = 8  # decode steps between two looks at which rows have stopped
 
 
 class Rollout(NamedTuple):
@@ -56,8 +57,15 @@ def sample(
     top_p: float = 1.0,
     top_k: int = 0,
     generator: torch.Generator | None = None,
+    check_every: int = _CHECK_EVERY,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sample `num_generations` completions per prompt; temperature 0 means greedy.
+
+    The decode loop reads nothing back from the device between checks: every `check_every` steps it looks whether
+    all rows have stopped (a row's tokens after its stop are pad whenever it is looked at, so the output is the same
+    as with a look at every step), and when at least half of the running rows have stopped it retires them (their
+    cache rows, mask and positions are dropped, and the model runs on the others). Retiring keeps sampled output the
+    same too: one uniform number is still drawn for every row of the batch at every step, each row using its own.
 
     Args:
         model: A causal LM taking `input_ids, attention_mask, position_ids, past_key_values, use_cache`.
@@ -66,6 +74,7 @@ def sample(
         stop_ids: Token ids that end a completion (the model's EOS ids, `policy.stop_token_ids`); a row ends at the
             first of any of them, as HF `generate` does with a list of `eos_token_id`.
         pad_token_id: Written after a row's stop token.
+        check_every: Decode steps between two looks at which rows have stopped (each look is one host sync).
 
     Returns:
         `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G])`, C <= max_new_tokens.
@@ -76,7 +85,7 @@ def sample(
         G = num_generations
         positions = position_ids(prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
-        cache = _rollout_cache(model, capacity=prompt_length + max_new_tokens)
+        cache, grouped = rollout_cache(model, capacity=prompt_length + max_new_tokens, group=G)
         out = model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -85,89 +94,80 @@ def sample(
             use_cache=True,
             logits_to_keep=1,
         )
-        if G > 1:
+        if G > 1 and not grouped:
             cache.batch_repeat_interleave(G)
-        logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [P*G, V]
+        logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [R, V], R the rows still running
+        n = logits.shape[0]
         # one mask for the whole rollout, each step passes a longer view of it (no per-step concatenation)
-        attention = prompt_mask.new_ones(logits.shape[0], prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
+        attention = prompt_mask.new_ones(n, prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
         attention[:, :prompt_length] = prompt_mask.repeat_interleave(G, dim=0)
-        position = positions[:, -1:].repeat_interleave(G, dim=0)  # [P*G, 1]
-        finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)  # [P*G]
+        if grouped:  # plain full-attention layers: a sliding window would be lost in a 4-D mask passed as is
+            attention = _decode_mask(model, attention, padded=not bool(prompt_mask.all()))
+        position = positions[:, -1:].repeat_interleave(G, dim=0)  # [R, 1]
+        rows = torch.arange(n, device=logits.device)  # [R] the running rows' index in the batch
+        finished = torch.zeros(n, dtype=torch.bool, device=logits.device)  # [P*G]
         stops = torch.as_tensor(list(stop_ids), device=logits.device)  # [S]
+        pad = torch.full((n,), pad_token_id, dtype=torch.long, device=logits.device)  # [P*G]
         tokens: list[Tensor] = []
         for step in range(max_new_tokens):
-            token = _pick(logits, temperature, top_p, top_k, generator)  # [P*G]
-            token = torch.where(finished, torch.full_like(token, pad_token_id), token)
+            # one number per row of the batch, whatever rows are retired, so each row draws the same numbers
+            uniform = None if temperature == 0 else _uniform(n, generator, logits.device)[rows]  # [R, 1]
+            token = pad.index_put((rows,), _pick(logits, temperature, top_p, top_k, uniform))  # [P*G]
+            token = torch.where(finished, pad, token)
             tokens.append(token)
             finished |= torch.isin(token, stops)
-            if bool(finished.all()) or step == max_new_tokens - 1:  # no forward whose logits nobody reads
+            if step == max_new_tokens - 1:  # no forward whose logits nobody reads
                 break
+            if (step + 1) % check_every == 0:
+                running = (~finished[rows]).nonzero()[:, 0]  # [R'] the one host sync of `check_every` steps
+                if running.shape[0] == 0:
+                    break
+                if 2 * running.shape[0] <= rows.shape[0]:  # at least half stopped: run on the others only
+                    cache.batch_select_indices(running)
+                    rows, position = rows[running], position[running]
+                    attention = attention[running] if attention is not None else None
             position = position + 1
             out = model(
-                input_ids=token[:, None],
-                attention_mask=attention[:, : prompt_length + step + 1],
+                input_ids=token[rows, None],
+                attention_mask=attention[..., : prompt_length + step + 1] if attention is not None else None,
                 position_ids=position,
                 past_key_values=cache,
                 use_cache=True,
             )
-            logits = out.logits[:, -1]
+            logits = out.logits[:, -1]  # [R, V]
         completion_ids = torch.stack(tokens, dim=1)  # [P*G, C]
         completion_mask = _mask_through_stop(completion_ids, stops)  # [P*G, C]
+        if finished.all():  # the steps the checks let run after the last stop are all pad: drop them
+            completion_ids = completion_ids[:, : int(completion_mask.sum(-1).max())]
+            completion_mask = completion_mask[:, : completion_ids.shape[1]]
         return completion_ids, completion_mask, ~finished
     finally:
         model.train(was_training)
 
 
-class _GrowInPlaceLayer(DynamicLayer):
-    """A `DynamicLayer` that appends into a buffer sized for the whole rollout instead of concatenating.
+def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Tensor | None:
+    """What a decode step passes as `attention_mask`, sliced to the step's length on its last dimension.
 
-    `DynamicLayer.update` concatenates, so every decode step copies the whole cache and a rollout's copying grows with
-    the square of its length (the largest cost of long rollouts after the model itself); here a step writes one
-    position. The prefill is kept as computed (it is still to be repeated across the group); the buffer is made at
-    the first decode step. `keys` / `values` are views of its filled part.
+    Given a 2-D mask, transformers' mask creation checks at every step whether it holds any padding (a host sync).
+    A 4-D mask is passed through unchecked, so SDPA and eager attention get the 4-D mask they would build from
+    `attention` [N, L] for one query, [N, 1, 1, L] (boolean for SDPA, additive for eager). A batch without padding
+    gets none, as transformers would find itself. Other attention implementations get the 2-D mask (and check it).
     """
-
-    def __init__(self, capacity: int) -> None:
-        super().__init__()
-        self.capacity = capacity
-        self._buffers: tuple[Tensor, Tensor] | None = None
-
-    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        start = self.get_seq_length()
-        end = start + key_states.shape[-2]
-        if start == 0:
-            self.keys, self.values = key_states, value_states
-            return self.keys, self.values
-        buffers = self._buffers
-        # a new buffer unless the cache is already a view of this one (after the prefill, a repeat or a reselection
-        # of rows it is not) with room for the new positions
-        if buffers is None or self.keys.data_ptr() != buffers[0].data_ptr() or end > buffers[0].shape[-2]:
-            buffers = tuple(self._allocate(x, new, max(self.capacity, end))
-                            for x, new in ((self.keys, key_states), (self.values, value_states)))  # fmt: skip
-            self._buffers = buffers
-        buffers[0][:, :, start:end] = key_states
-        buffers[1][:, :, start:end] = value_states
-        self.keys, self.values = buffers[0][:, :, :end], buffers[1][:, :, :end]  # [B, H, end, D] each
-        return self.keys, self.values
-
-    @staticmethod
-    def _allocate(cached: Tensor, new: Tensor, capacity: int) -> Tensor:
-        """A [B, H, capacity, D] buffer holding `cached` at its start."""
-        buffer = new.new_empty(*new.shape[:2], capacity, new.shape[-1])
-        buffer[:, :, : cached.shape[-2]] = cached
-        return buffer
+    if not padded:
+        return None
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation == "sdpa":
+        return attention.bool()[:, None, None, :]
+    if implementation == "eager":
+        dtype = model.get_input_embeddings().weight.dtype  # transformers' choice: the dtype of the embeddings
+        additive = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
+        return additive.masked_fill_(attention == 0, torch.finfo(dtype).min)[:, None, None, :]
+    return attention
 
 
-def _rollout_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
-    """A KV cache for one rollout: in-place layers of `capacity` positions when every layer is a plain full-attention
-    one (sliding-window and other special layers keep their own class)."""
-    config = getattr(model, "config", None)
-    cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-        cache.layers = [_GrowInPlaceLayer(capacity) for _ in cache.layers]
-    return cache
+def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
+    """One uniform number in [0, 1) per row, [n, 1] float64: the randomness of one sampling step."""
+    return torch.rand((n, 1), generator=generator, dtype=torch.float64, device=device)
 
 
 def rollout(
@@ -221,8 +221,9 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
     return " ".join(text.split())
 
 
-def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None) -> Tensor:
-    """Next token per row from `logits` [N, V]: argmax at temperature 0, else a sample after top-k / top-p."""
+def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, uniform: Tensor | None) -> Tensor:
+    """Next token per row from `logits` [N, V]: argmax at temperature 0, else a sample after top-k / top-p drawn with
+    the row's number of `uniform` [N, 1] (in [0, 1))."""
     if temperature == 0:
         return logits.argmax(-1)
     logits = logits.float()  # [N, V]
@@ -238,10 +239,10 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, generato
         drop = (probs.cumsum(-1) - probs) > top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     # unnormalised probabilities are enough: _draw scales its uniform number by their total
-    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), generator)
+    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), uniform=uniform)
 
 
-def _draw(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+def _draw(weights: Tensor, generator: torch.Generator | None = None, uniform: Tensor | None = None) -> Tensor:
     """One token per row, with probability proportional to `weights` [N, V] (>= 0), by inverting the CDF.
 
     `torch.multinomial` draws an exponential number for every vocabulary entry, which made it the largest single cost
@@ -249,7 +250,8 @@ def _draw(weights: Tensor, generator: torch.Generator | None) -> Tensor:
     CDF of the block sums, then a token on that block's own float64 CDF. Rounding can shift a block's mass by about
     1e-7 of itself, never a fixed amount, so the rare tail of a 128k vocabulary keeps its probabilities (a float32 CDF
     over the whole vocabulary would round every tail token to a multiple of 6e-8). The number stays strictly below
-    each total, so a token of zero weight (cut by top-k or top-p) is never drawn.
+    each total, so a token of zero weight (cut by top-k or top-p) is never drawn. The numbers are `uniform` [N, 1]
+    (in [0, 1)), or drawn from `generator` when it is None.
     """
     n, vocab = weights.shape
     full = vocab - vocab % _BLOCK
@@ -258,7 +260,9 @@ def _draw(weights: Tensor, generator: torch.Generator | None) -> Tensor:
         sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)  # the last, partial block
     block_cdf = sums.double().cumsum(-1)  # [N, K]
     total = block_cdf[:, -1:]  # [N, 1]
-    u = torch.rand((n, 1), generator=generator, dtype=torch.float64, device=weights.device) * total  # [N, 1]
+    if uniform is None:
+        uniform = _uniform(n, generator, weights.device)
+    u = uniform * total  # [N, 1]
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(u)))
     block = torch.searchsorted(block_cdf, u, right=True)  # [N, 1], the first block whose CDF exceeds u
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp(min=0)), 0.0)  # [N, 1]

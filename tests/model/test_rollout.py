@@ -22,8 +22,8 @@ def tiny(make_module):
 
 def _sample(module, ids, mask, **kwargs):
     tok = module.tokenizer
-    kwargs = {"num_generations": 1, "max_new_tokens": 12, "temperature": 0.0} | kwargs
-    return sample(module.policy, ids, mask, stop_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, **kwargs)
+    kwargs = {"num_generations": 1, "max_new_tokens": 12, "temperature": 0.0, "stop_ids": [tok.eos_token_id]} | kwargs
+    return sample(module.policy, ids, mask, pad_token_id=tok.pad_token_id, **kwargs)
 
 
 def test_greedy_matches_hf_generate_with_left_padding(tiny):
@@ -62,6 +62,23 @@ def test_mask_covers_tokens_through_the_first_of_any_stop_id():
     assert _mask_through_stop(ids, stops).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
 
 
+def test_decoding_reads_back_from_the_device_once_every_check(tiny, monkeypatch):
+    module, ids, mask = tiny
+    reads = []
+    for name in ("__bool__", "__int__", "__index__", "__float__", "item", "tolist", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _original=original, **kwargs):
+            reads.append(1)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    # a stop id never written: every row runs the whole budget of 80 steps, 10 checks at 8 steps each
+    completion, _, _ = _sample(module, ids, mask, max_new_tokens=80, stop_ids=[-1], check_every=8)
+    assert completion.shape[1] == 80
+    assert len(reads) <= 80 // 8 + 4  # the checks, plus a few around the loop (the prefill's mask, the results)
+
+
 class _ScriptedLM(torch.nn.Module):
     """Writes `script[row, step]` as each row's next token, whatever the input (one decode call per step)."""
 
@@ -85,8 +102,9 @@ def test_texts_are_the_tokens_before_the_first_stop_and_nothing_else(family_fold
     # row 0 ends at the tokenizer's EOS, row 1 at another stop id (then writes id 0), row 2 runs out of budget
     script = torch.tensor([a + [eot, 5, 6, 7], b + [eom] + [0] * (width - len(b) - 1), a + [8, 9, 10, 11]])
     prompt = torch.tensor([[1, 2], [1, 2], [1, 2]])
+    # the script follows the batch's rows, so no row may be retired (no look at finished rows before the end)
     out = rollout(_ScriptedLM(script, len(tok)), tok, prompt, torch.ones_like(prompt), stop_ids=[1025, eom, eot],
-                  num_generations=1, max_new_tokens=width, temperature=0.0)  # fmt: skip
+                  num_generations=1, max_new_tokens=width, temperature=0.0, check_every=width)  # fmt: skip
     assert out.texts == ["the cat sat", "the dog", " ".join(tok.decode(a + [8, 9, 10, 11]).split())]
     assert out.completion_mask.sum(-1).tolist() == [len(a) + 1, len(b) + 1, width]  # through the first stop token
     assert (out.completion_ids[1, len(b) + 1 :] == tok.pad_token_id).all()
@@ -172,3 +190,74 @@ def test_budget_holds_the_longest_target_with_margin():
     # longest target 20 tokens: ceil(20 * 1.25) = 25, + 1 EOS + 4 slack = 30
     assert token_budget([12, 20, 7], margin=0.25, slack=4) == 30
     assert token_budget([1000]) > 2 * token_budget([400])
+
+
+def _spread_weights(model, std: float = 0.3) -> None:
+    """Redraw the fixture's matrices large enough that each prompt gets its own answer (so padding errors show)."""
+    seed = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for weight in model.parameters():
+            if weight.dim() == 2:
+                weight.normal_(0.0, std, generator=seed)
+
+
+def _stop_after_tokens_divisible_by(model, stop: int, divisor: int) -> list[int]:
+    """Make `stop` the next token of every row whose last input token is a multiple of `divisor`: rows end at steps
+    set by their own tokens (not by their place in the batch), so they end at different steps and retiring rows
+    changes nothing. Returns the list the rows of every forward are appended to."""
+    last, rows = {}, []
+
+    def remember(module, args, output):  # input ids [N, L]
+        last["ids"] = args[0][:, -1]
+        rows.append(args[0].shape[0])
+
+    def end_rows(module, args, logits):  # logits [N, L, V]
+        ends = last["ids"] % divisor == 0  # [N]
+        logits[ends, -1, stop] = logits[ends, -1].amax(-1) + 10.0
+        return logits
+
+    model.get_input_embeddings().register_forward_hook(remember)
+    model.get_output_embeddings().register_forward_hook(end_rows)
+    return rows
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_greedy_with_left_padding_and_retired_rows_matches_hf_generate(family, attention):
+    model, tok = load_pretrained(str(family[1]), attn_implementation=attention)
+    _spread_weights(model)
+    stops = stop_token_ids(model, tok)
+    rows = _stop_after_tokens_divisible_by(model, stops[-1], divisor=13)
+    fragments = [("a b", "c d"), ("one two three four five six", "x y z w"), ("z", "y"), ("the cat sat", "on a mat")]
+    texts = [format_prompt(a, b, "compact", tok) for a, b in fragments]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    ids, mask = enc.input_ids, enc.attention_mask
+    assert (mask.sum(-1) < ids.shape[1]).sum() >= 2, "prompts of several lengths, left-padded"
+    completion, _, _ = sample(
+        model, ids, mask, num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=stops,
+        pad_token_id=tok.pad_token_id, check_every=2,
+    )  # fmt: skip
+    assert min(rows[1:]) < 8, "some rows must have been retired while others ran on"  # rows[0]: the prefill's
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                               eos_token_id=stops, pad_token_id=tok.pad_token_id)[:, ids.shape[1] :]  # fmt: skip
+    assert len(set(map(tuple, reference.tolist()))) == 4, "every prompt its own answer"
+    for g in range(2):
+        assert torch.equal(completion[g::2], reference)
+
+
+def test_retiring_rows_leaves_sampled_answers_unchanged(family_folders):
+    model, tok = load_pretrained(str(family_folders["llama3"]))
+    _spread_weights(model, std=0.1)
+    stops = stop_token_ids(model, tok)
+    rows = _stop_after_tokens_divisible_by(model, stops[0], divisor=7)
+    enc = tok(["a b c", "x"], return_tensors="pt", padding=True)
+
+    def draw(check_every):
+        rows.clear()
+        return sample(model, enc.input_ids, enc.attention_mask, num_generations=4, max_new_tokens=30, stop_ids=stops,
+                      pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(3),
+                      check_every=check_every)[0]  # fmt: skip
+
+    retired = draw(check_every=2)
+    assert min(rows[1:]) < 8, "rows must have been retired"  # rows[0]: the prefill's
+    assert len(set(map(tuple, retired.tolist()))) == 8, "every row its own answer"
+    assert torch.equal(retired, draw(check_every=30))  # no look before the end: every row runs to the end
