@@ -12,6 +12,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from interleave_model import grpo
 from interleave_model.policy import LoraSettings
 from interleave_model.rewards import RewardFunction
+from tests.model.test_rewards import Constant
 
 
 class CompletionLength(RewardFunction):
@@ -123,19 +124,6 @@ def test_budget_follows_the_stage(make_module, make_datamodule):
     loaders = make_datamodule(module.tokenizer).val_dataloader()
     short, long = (module._budget(next(iter(loader))["targets"]) for loader in loaders)
     assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
-
-
-class Constant(RewardFunction):
-    """The same reward for every completion; every instance is named "constant"."""
-
-    name = "constant"
-
-    def __init__(self, value: float, weight: float = 1.0) -> None:
-        super().__init__(weight)
-        self.value = value
-
-    def __call__(self, completions, targets, truncated):
-        return [self.value] * len(completions)
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
