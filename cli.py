@@ -5,6 +5,9 @@ from __future__ import annotations
 import os
 import sys
 
+import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
+
+# isort: split
 from lightning import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.cli import LightningCLI
 

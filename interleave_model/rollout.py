@@ -23,6 +23,7 @@ class Rollout(NamedTuple):
     completion_mask: Tensor  # [P*G, C] 1 = generated token up to and including EOS
     truncated: Tensor  # [P*G] bool: the budget ran out before EOS
     texts: list[str]  # decoded completions, special tokens removed
+    logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM only)
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
