@@ -83,11 +83,12 @@ class VllmEngine:
         tokenizer,
         model_path: str | None,
         stop_token_ids: list[int],
-        settings: VllmSettings | None = None,
+        settings: VllmSettings | dict | None = None,
         seed: int = 0,
     ) -> None:
         vllm = import_vllm()
-        settings = settings or VllmSettings()
+        # saved hyperparameters hold the settings as a plain dict
+        settings = VllmSettings(**settings) if isinstance(settings, dict) else settings or VllmSettings()
         self.tokenizer = tokenizer
         self.stop_token_ids = list(stop_token_ids)
         self.lora = is_peft(policy)
