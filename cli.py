@@ -1,4 +1,4 @@
-"""Command line: `python cli.py {fit,validate,test,predict,export} --config configs/demo.yaml`."""
+"""Command line: `python cli.py {fit,validate,test,predict,export,check} --config configs/demo.yaml`."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.export import export, load_weights
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
+from interleave_model.preflight import report
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
@@ -49,13 +50,29 @@ class InterleaveTrainer(Trainer):
         source = {"checkpoint": ckpt_path and os.path.abspath(ckpt_path), "global_step": checkpoint.get("global_step")}
         export(model, output_dir, merge_lora=merge_lora, source=source)
 
+    def check(self, model: LightningModule, datamodule: LightningDataModule) -> None:
+        """Check a model folder against the config before spending GPU time on it.
+
+        Prints what was read (stop ids, pad, chat template, BOS), each length's tokens against the model's limit, the
+        round trip of the target words, and one greedy answer with its score (`interleave_model.preflight`).
+        """
+        datamodule.prepare_data()
+        datamodule.setup("predict")
+        datamodule.tokenizer = model.tokenizer
+        print("\n".join(report(model.to(self.strategy.root_device), datamodule)))
+
 
 class InterleaveCLI(LightningCLI):
     """LightningCLI with the data settings the model also needs linked, so they are written once."""
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        return LightningCLI.subcommands() | {"export": {"model", "datamodule"}}
+        return LightningCLI.subcommands() | {"export": {"model", "datamodule"}, "check": {"model", "datamodule"}}
+
+    def before_instantiate_classes(self) -> None:
+        if self.config.get("subcommand") == "check":  # one device, and a CPU where there is no GPU
+            for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
+                self.config.check.trainer[key] = value
 
     def _parse_ckpt_path(self) -> None:
         """Build the model from the checkpoint's hyperparameters, as Lightning does, except the evaluation settings.

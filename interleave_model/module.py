@@ -34,7 +34,9 @@ from interleave_model.policy import (
     frozen_copy,
     is_peft,
     load_pretrained,
+    stop_token_ids,
 )
+from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
@@ -184,6 +186,7 @@ class InterleaveGRPO(L.LightningModule):
         tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
         lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
         self.policy, self.tokenizer = self._load_policy(tiny)
+        self.stop_ids = stop_token_ids(self.policy, self.tokenizer)
         if lora is not None:
             self.policy = apply_lora(self.policy, lora)
         if init_from is not None:
@@ -217,6 +220,7 @@ class InterleaveGRPO(L.LightningModule):
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             datamodule.tokenizer = self.tokenizer
+            preflight(self, datamodule)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
@@ -424,7 +428,9 @@ class InterleaveGRPO(L.LightningModule):
                   "temperature": temperature, "top_p": self.hparams.top_p, "top_k": self.hparams.top_k,
                   "generator": generator}  # fmt: skip
         if self.hparams.rollout_engine == "own":
-            return rollout(self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], **kwargs)
+            return rollout(
+                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
+            )
         engine = self._vllm_engine()
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
         if self.training:
@@ -436,10 +442,8 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         if self._engine is None:
             path = None if hp.model_name_or_path == TINY else hp.model_name_or_path
-            stops = [self.tokenizer.eos_token_id]
-            self._engine = VllmEngine(
-                self.policy, self.tokenizer, path, stops, hp.vllm, seed=hp.seed + self.global_rank
-            )
+            seed = hp.seed + self.global_rank
+            self._engine = VllmEngine(self.policy, self.tokenizer, path, self.stop_ids, hp.vllm, seed=seed)
         # every optimizer step moves global_step, so a new step means new weights
         self._engine.serve(self.policy, version=self.global_step)
         return self._engine

@@ -104,6 +104,10 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
     return model
 
 
+# Files from which `AutoTokenizer` builds a tokenizer; a folder with none of them has none.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model", "tokenizer.tiktoken")
+
+
 def load_pretrained(
     path: str, dtype: str | None = None, attn_implementation: str | None = None, trust_remote_code: bool = False
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast]:
@@ -111,6 +115,9 @@ def load_pretrained(
     looks_local = os.path.sep in path or path.startswith(".") or os.path.exists(path)
     if looks_local and not os.path.isdir(path):
         raise PolicyError(f"model path does not exist: {path}")
+    has_tokenizer = any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES)
+    if looks_local and not trust_remote_code and not has_tokenizer:  # remote code may bring other tokenizer files
+        raise PolicyError(f"{path}: no tokenizer in the model folder (none of {', '.join(TOKENIZER_FILES)})")
     kwargs = {"trust_remote_code": trust_remote_code}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
@@ -118,20 +125,37 @@ def load_pretrained(
         kwargs["dtype"] = getattr(torch, dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise PolicyError(f"cannot load the tokenizer of {path!r}: {_first_line(err)}") from err
+    try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
-        raise PolicyError(f"cannot load model {path!r}: {str(err).splitlines()[0]}") from err
+        raise PolicyError(f"cannot load model {path!r}: {_first_line(err)}") from err
     return model, prepare_tokenizer(tokenizer, path)
 
 
 def prepare_tokenizer(tokenizer: PreTrainedTokenizerFast, name: str = "tokenizer") -> PreTrainedTokenizerFast:
-    """Pad on the left for generation; fall back to EOS as the pad token; refuse a tokenizer with neither."""
+    """Pad on the left for generation; fall back to EOS as the pad token; refuse a tokenizer without EOS."""
     if tokenizer.eos_token_id is None:
-        raise PolicyError(f"{name}: the tokenizer has no EOS token, so generation could never stop")
+        missing = "neither a pad nor an EOS token" if tokenizer.pad_token_id is None else "no EOS token"
+        raise PolicyError(f"{name}: the tokenizer has {missing} (eos_token in tokenizer_config.json), so generation "
+                          "could never stop")  # fmt: skip
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
     return tokenizer
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast) -> list[int]:
+    """The ids that end a completion: `generation_config.eos_token_id` (an int or a list) plus the tokenizer's EOS.
+
+    Llama-3.2-Instruct's tokenizer names one EOS (`<|eot_id|>`, 128009) while its generation config lists 128001,
+    128008 and 128009: the model may end a turn with any of them, and HF `generate` stops at each.
+    """
+    generation = getattr(model, "generation_config", None)
+    configured = getattr(generation, "eos_token_id", None)
+    configured = [] if configured is None else [configured] if isinstance(configured, int) else list(configured)
+    return sorted(set(configured) | {tokenizer.eos_token_id})
 
 
 def apply_lora(model: torch.nn.Module, lora: LoraSettings) -> torch.nn.Module:
@@ -158,6 +182,10 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def is_peft(model: torch.nn.Module) -> bool:
     """True when `model` carries a peft adapter (its reference is then the adapter switched off)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 @contextlib.contextmanager

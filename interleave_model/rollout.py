@@ -19,10 +19,10 @@ class Rollout(NamedTuple):
 
     prompt_ids: Tensor  # [P*G, Lp] left-padded
     prompt_mask: Tensor  # [P*G, Lp] 1 = real token
-    completion_ids: Tensor  # [P*G, C] right-padded with pad after EOS
-    completion_mask: Tensor  # [P*G, C] 1 = generated token up to and including EOS
-    truncated: Tensor  # [P*G] bool: the budget ran out before EOS
-    texts: list[str]  # decoded completions, special tokens removed
+    completion_ids: Tensor  # [P*G, C] right-padded with pad after the first stop token
+    completion_mask: Tensor  # [P*G, C] 1 = generated token up to and including the first stop token
+    truncated: Tensor  # [P*G] bool: the budget ran out before a stop token
+    texts: list[str]  # the decoded tokens before the first stop token (see `completion_texts`)
     logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM only)
 
 
@@ -51,7 +51,7 @@ def sample(
     *,
     num_generations: int,
     max_new_tokens: int,
-    eos_token_id: int,
+    stop_ids: Sequence[int],
     pad_token_id: int,
     temperature: float = 1.0,
     top_p: float = 1.0,
@@ -64,6 +64,9 @@ def sample(
         model: A causal LM taking `input_ids, attention_mask, position_ids, past_key_values, use_cache`.
         prompt_ids: Left-padded prompts, [P, Lp].
         prompt_mask: 1 for real prompt tokens, [P, Lp].
+        stop_ids: Token ids that end a completion (the model's EOS ids, `policy.stop_token_ids`); a row ends at the
+            first of any of them, as HF `generate` does with a list of `eos_token_id`.
+        pad_token_id: Written after a row's stop token.
 
     Returns:
         `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G])`, C <= max_new_tokens.
@@ -91,13 +94,14 @@ def sample(
         attention[:, :prompt_length] = prompt_mask.repeat_interleave(G, dim=0)
         position = positions[:, -1:].repeat_interleave(G, dim=0)  # [P*G, 1]
         finished = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)  # [P*G]
+        stops = torch.as_tensor(list(stop_ids), device=logits.device)  # [S]
         tokens: list[Tensor] = []
         for step in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, top_k, generator)  # [P*G]
             token = torch.where(finished, torch.full_like(token, pad_token_id), token)
             tokens.append(token)
-            finished |= token == eos_token_id
-            if bool(finished.all()):
+            finished |= torch.isin(token, stops)
+            if bool(finished.all()) or step == max_new_tokens - 1:  # no forward whose logits nobody reads
                 break
             position = position + 1
             out = model(
@@ -109,7 +113,7 @@ def sample(
             )
             logits = out.logits[:, -1]
         completion_ids = torch.stack(tokens, dim=1)  # [P*G, C]
-        completion_mask = _mask_through_eos(completion_ids, eos_token_id)  # [P*G, C]
+        completion_mask = _mask_through_stop(completion_ids, stops)  # [P*G, C]
         return completion_ids, completion_mask, ~finished
     finally:
         model.train(was_training)
@@ -167,26 +171,55 @@ def _rollout_cache(model: torch.nn.Module, capacity: int) -> DynamicCache:
     return cache
 
 
-def rollout(model: torch.nn.Module, tokenizer, prompt_ids: Tensor, prompt_mask: Tensor, **kwargs) -> Rollout:
-    """`sample` plus the bookkeeping the loss needs: repeated prompts and decoded texts."""
+def rollout(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    stop_ids: Sequence[int] | None = None,
+    **kwargs,
+) -> Rollout:
+    """`sample` plus the bookkeeping the loss needs: repeated prompts and decoded texts.
+
+    `stop_ids` None means the tokenizer's EOS alone (the embedded tiny model's one stop token).
+    """
     G = kwargs["num_generations"]
+    stop_ids = [tokenizer.eos_token_id] if stop_ids is None else list(stop_ids)
     completion_ids, completion_mask, truncated = sample(
-        model,
-        prompt_ids,
-        prompt_mask,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **kwargs,
+        model, prompt_ids, prompt_mask, stop_ids=stop_ids, pad_token_id=tokenizer.pad_token_id, **kwargs
     )
-    texts = tokenizer.batch_decode(completion_ids * completion_mask, skip_special_tokens=True)
     return Rollout(
         prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         truncated=truncated,
-        texts=[" ".join(t.split()) for t in texts],
+        texts=completion_texts(tokenizer, completion_ids, stop_ids),
     )
+
+
+def completion_texts(tokenizer, completion_ids: Tensor, stop_ids: Sequence[int]) -> list[str]:
+    """The text of each completion: its tokens before its first stop token, decoded, whitespace runs made one space.
+
+    Nothing after the stop token is decoded (padding there may be a real token: `!` is id 0 in Llama-3). Other
+    special tokens the model wrote inside its answer are kept, as the text a reader of the answer sees: the reward
+    counts `<|start_header_id|>` or a glued `word<|begin_of_text|>` as the wrong word it is, instead of scoring a
+    cleaned answer the model never wrote.
+    """
+    is_stop = torch.isin(completion_ids, torch.as_tensor(list(stop_ids), device=completion_ids.device))  # [N, C]
+    lengths = (is_stop.long().cumsum(-1) == 0).sum(-1).tolist()  # [N] tokens before the first stop
+    return [decode(tokenizer, ids[:n]) for ids, n in zip(completion_ids.tolist(), lengths, strict=True)]
+
+
+def decode(tokenizer, ids: Sequence[int]) -> str:
+    """Token ids as the reward reads them: special tokens kept, no clean-up of spaces before punctuation.
+
+    `clean_up_tokenization_spaces` (on in many tokenizer_config.json files; transformers 5 skips it for BPE only) would
+    turn the words `word .` into `word.`, another word than the model wrote. The preflight's round-trip check decodes
+    the targets through this too.
+    """
+    text = tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    return " ".join(text.split())
 
 
 def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, generator: torch.Generator | None) -> Tensor:
@@ -237,8 +270,8 @@ def _draw(weights: Tensor, generator: torch.Generator | None) -> Tensor:
     return block[:, 0] * _BLOCK + torch.searchsorted(within, rest, right=True)[:, 0]  # [N]
 
 
-def _mask_through_eos(completion_ids: Tensor, eos_token_id: int) -> Tensor:
-    """1 for every token up to and including the first EOS of its row, 0 after it. [N, C] -> [N, C] long."""
-    is_eos = (completion_ids == eos_token_id).long()  # [N, C]
-    eos_before = is_eos.cumsum(-1) - is_eos  # EOS tokens strictly before each position
-    return (eos_before == 0).long()
+def _mask_through_stop(completion_ids: Tensor, stops: Tensor) -> Tensor:
+    """1 for every token up to and including the first stop token of its row, 0 after it. [N, C] -> [N, C] long."""
+    is_stop = torch.isin(completion_ids, stops).long()  # [N, C]
+    stops_before = is_stop.cumsum(-1) - is_stop  # stop tokens strictly before each position
+    return (stops_before == 0).long()

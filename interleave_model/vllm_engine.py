@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from interleave_model.policy import is_peft
-from interleave_model.rollout import Rollout
+from interleave_model.rollout import Rollout, completion_texts
 from interleave_model.shield import shield_broken_addons
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
@@ -241,21 +241,16 @@ class VllmEngine:
                 logprobs[i, :n] = torch.tensor([step[token].logprob for token, step in steps])
         stops = torch.tensor(self.stop_token_ids)
         truncated = ~torch.isin(completion_ids, stops).any(-1)  # [P*G] no stop token within the budget
-        # a completion is the text of its tokens before its first stop token
-        answers = [list(row.token_ids[: self._first_stop(row.token_ids)]) for row in rows]
-        texts = self.tokenizer.batch_decode(answers, skip_special_tokens=True)
+        texts = completion_texts(self.tokenizer, completion_ids, self.stop_token_ids)
         return Rollout(
             prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
             prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
             completion_ids=completion_ids.to(device),
             completion_mask=completion_mask.to(device),
             truncated=truncated.to(device),
-            texts=[" ".join(t.split()) for t in texts],
+            texts=texts,
             logprobs=logprobs.to(device) if logprobs is not None else None,
         )
-
-    def _first_stop(self, token_ids) -> int:
-        return next((i for i, t in enumerate(token_ids) if t in self.stop_token_ids), len(token_ids))
 
     def close(self) -> None:
         """Free the engine and its temporary folder."""

@@ -1,4 +1,5 @@
 import pytest
+from transformers import AutoTokenizer
 
 from interleave_data.prompts import TEMPLATES, format_prompt
 from tests.data.helpers import build_tokenizer
@@ -32,3 +33,25 @@ def test_chat_template_wraps_the_instruction_as_one_user_turn():
 
     assert format_prompt("a", "b", "compact", build_tokenizer({"a"}, CHAT)) == f"[BOS] <user> {plain} </user> <bot>"
     assert format_prompt("a", "b", "compact", build_tokenizer({"a"})) == plain
+
+
+def test_prompt_ids_are_the_models_own_chat_template_ids_with_one_bos(family, make_datamodule):
+    name, folder = family
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token  # what the policy does for a tokenizer with no pad
+    dm = make_datamodule(tokenizer, template="two_processes")
+    examples = [dm.examples(4, "val")[0], dm.examples(8, "val")[0]]
+
+    batch = dm.collate(examples, "eval")
+
+    for row, example in enumerate(examples):
+        text = TEMPLATES["two_processes"].format(a=example.a, b=example.b)
+        if name == "gpt2":  # no chat template: the plain instruction, with whatever the tokenizer adds (nothing)
+            expected = tokenizer(text).input_ids
+        else:
+            message = [{"role": "user", "content": text}]
+            expected = tokenizer.apply_chat_template(message, tokenize=True, add_generation_prompt=True)["input_ids"]
+        ids = batch["prompt_ids"][row][batch["prompt_mask"][row].bool()].tolist()
+        assert ids == expected
+        bos = tokenizer.convert_tokens_to_ids("<|begin_of_text|>") if name == "llama3" else tokenizer.bos_token_id
+        assert ids.count(bos) == (1 if name == "llama3" else 0)  # Llama-3: the template's BOS, not a second one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -13,6 +15,7 @@ from interleave_model.policy import (
     build_tiny_tokenizer,
     load_pretrained,
     prepare_tokenizer,
+    stop_token_ids,
 )
 
 TEXTS = [["the", "cat", "sat"], ["on", "the", "mat", "é"]]
@@ -60,5 +63,36 @@ def test_tokenizer_pad_falls_back_to_eos_and_refuses_neither(tmp_path):
     no_pad.pad_token = None
     assert prepare_tokenizer(no_pad).pad_token_id == no_pad.eos_token_id
     no_pad.pad_token, no_pad.eos_token = None, None
-    with pytest.raises(PolicyError, match="no EOS token"):
+    with pytest.raises(PolicyError, match="^my-model: the tokenizer has neither a pad nor an EOS token") as err:
         prepare_tokenizer(no_pad, "my-model")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("name", "stops"),
+    [
+        ("llama3", ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]),  # generation_config lists three
+        ("qwen2", ["<|endoftext|>", "<|im_end|>"]),
+        ("gpt2", ["<|endoftext|>"]),  # an int in generation_config, the same id as the tokenizer's EOS
+    ],
+)
+def test_stop_ids_are_the_generation_config_eos_ids_and_the_tokenizer_eos(family_folders, name, stops):
+    model, tok = load_pretrained(str(family_folders[name]))
+    assert stop_token_ids(model, tok) == sorted(tok.convert_tokens_to_ids(stops))
+    model.generation_config.eos_token_id = None  # a folder without generation_config.json: the tokenizer's EOS
+    assert stop_token_ids(model, tok) == [tok.eos_token_id]
+
+
+def test_tiny_model_stops_at_its_one_eos():
+    tok = build_tiny_tokenizer(TEXTS)
+    model = build_tiny_model(tok, TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))
+    assert stop_token_ids(model, tok) == [tok.eos_token_id]
+
+
+def test_model_folder_without_tokenizer_is_one_clear_line(family_folders, tmp_path):
+    folder = tmp_path / "llama3"
+    shutil.copytree(family_folders["llama3"], folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(PolicyError, match="no tokenizer in the model folder") as err:
+        load_pretrained(str(folder))
+    assert str(folder) in str(err.value) and "\n" not in str(err.value)

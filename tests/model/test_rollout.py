@@ -1,11 +1,15 @@
-"""The sampler: exact against HF generate, prefix sharing, EOS masks, budgets."""
+"""The sampler: exact against HF generate, prefix sharing, stop tokens and masks, completion texts, budgets."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from interleave_model.rollout import _mask_through_eos, rollout, sample, token_budget
+from interleave_data.prompts import format_prompt
+from interleave_model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
+from interleave_model.rollout import _mask_through_stop, completion_texts, rollout, sample, token_budget
 
 
 @pytest.fixture
@@ -19,7 +23,7 @@ def tiny(make_module):
 def _sample(module, ids, mask, **kwargs):
     tok = module.tokenizer
     kwargs = {"num_generations": 1, "max_new_tokens": 12, "temperature": 0.0} | kwargs
-    return sample(module.policy, ids, mask, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kwargs)
+    return sample(module.policy, ids, mask, stop_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id, **kwargs)
 
 
 def test_greedy_matches_hf_generate_with_left_padding(tiny):
@@ -52,10 +56,98 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny):
     assert torch.equal(top1, greedy)
 
 
-def test_mask_covers_tokens_through_first_eos():
-    eos = 9
-    ids = torch.tensor([[5, 9, 0, 0], [5, 6, 7, 8], [9, 0, 0, 0]])
-    assert _mask_through_eos(ids, eos).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+def test_mask_covers_tokens_through_the_first_of_any_stop_id():
+    stops = torch.tensor([7, 9])
+    ids = torch.tensor([[5, 9, 0, 0], [5, 6, 4, 8], [9, 0, 0, 0], [5, 7, 9, 9]])
+    assert _mask_through_stop(ids, stops).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
+
+
+class _ScriptedLM(torch.nn.Module):
+    """Writes `script[row, step]` as each row's next token, whatever the input (one decode call per step)."""
+
+    def __init__(self, script: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.script, self.vocab_size, self.calls = script, vocab_size, 0
+
+    def forward(self, input_ids, **kwargs):
+        logits = torch.zeros(input_ids.shape[0], 1, self.vocab_size)
+        logits[torch.arange(input_ids.shape[0]), 0, self.script[:, self.calls]] = 1.0
+        self.calls += 1
+        return SimpleNamespace(logits=logits)
+
+
+def test_texts_are_the_tokens_before_the_first_stop_and_nothing_else(family_folders):
+    _, tok = load_pretrained(str(family_folders["llama3"]))
+    eot, eom = tok.convert_tokens_to_ids(["<|eot_id|>", "<|eom_id|>"])
+    assert tok.pad_token_id == eot and tok.convert_ids_to_tokens(0) == "!"  # the fixture's trap: id 0 decodes as "!"
+    a, b = tok("the cat sat", add_special_tokens=False).input_ids, tok("the dog", add_special_tokens=False).input_ids
+    width = len(a) + 4
+    # row 0 ends at the tokenizer's EOS, row 1 at another stop id (then writes id 0), row 2 runs out of budget
+    script = torch.tensor([a + [eot, 5, 6, 7], b + [eom] + [0] * (width - len(b) - 1), a + [8, 9, 10, 11]])
+    prompt = torch.tensor([[1, 2], [1, 2], [1, 2]])
+    out = rollout(_ScriptedLM(script, len(tok)), tok, prompt, torch.ones_like(prompt), stop_ids=[1025, eom, eot],
+                  num_generations=1, max_new_tokens=width, temperature=0.0)  # fmt: skip
+    assert out.texts == ["the cat sat", "the dog", " ".join(tok.decode(a + [8, 9, 10, 11]).split())]
+    assert out.completion_mask.sum(-1).tolist() == [len(a) + 1, len(b) + 1, width]  # through the first stop token
+    assert (out.completion_ids[1, len(b) + 1 :] == tok.pad_token_id).all()
+    assert out.truncated.tolist() == [False, False, True]
+
+
+def test_texts_keep_special_tokens_inside_the_answer(family_folders):
+    _, tok = load_pretrained(str(family_folders["llama3"]))
+    header, eot = tok.convert_tokens_to_ids(["<|start_header_id|>", "<|eot_id|>"])
+    words = tok("the cat", add_special_tokens=False).input_ids
+    ids = torch.tensor([words + [header, eot], words + [eot, header]])
+    # the reward sees what the model wrote: a special token inside the answer is part of a word
+    assert completion_texts(tok, ids, [eot]) == ["the cat<|start_header_id|>", "the cat"]
+
+
+def test_texts_keep_the_space_before_punctuation():
+    tok = build_tiny_tokenizer([["the", "cat", "."]])
+    tok.clean_up_tokenization_spaces = True  # transformers would write "the cat." (it skips this for BPE only)
+    ids = torch.tensor([tok("the cat .", add_special_tokens=False).input_ids + [tok.eos_token_id]])
+    assert completion_texts(tok, ids, [tok.eos_token_id]) == ["the cat ."]  # "." is a word of the target
+
+
+@pytest.fixture(params=["llama3", "qwen2", "gpt2"])
+def family_policy(request, family_folders):
+    """A family's model, tokenizer and stop ids, with a hook that ends row r at decode step r + 1 with its r-th stop id
+    (rows past the stop ids never stop), so several stop ids end rows at different steps, as a trained model does."""
+    model, tok = load_pretrained(str(family_folders[request.param]))
+    stops = stop_token_ids(model, tok)
+    step = {"n": 0}
+
+    def count_steps(module, args, output):  # input ids [N, L]: a prefill (L > 1) starts a new answer
+        step["n"] = 0 if args[0].shape[1] > 1 else step["n"] + 1
+
+    def end_rows(module, args, logits):  # logits [N, 1, V] of the step's next token
+        for row, stop in enumerate(stops):
+            if step["n"] == row + 1:
+                logits[row, -1, stop] = logits[row, -1].max() + 10.0
+        return logits
+
+    model.get_input_embeddings().register_forward_hook(count_steps)
+    model.get_output_embeddings().register_forward_hook(end_rows)
+    return model, tok, stops
+
+
+def test_greedy_matches_hf_generate_with_every_stop_id(family_policy):
+    model, tok, stops = family_policy
+    fragments = [("a b", "c d"), ("one two three four", "x y z w"), ("z", "y"), ("z", "y")]
+    texts = [format_prompt(a, b, "compact", tok) for a, b in fragments]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    ids, mask = enc.input_ids, enc.attention_mask
+    completion, completion_mask, truncated = sample(
+        model, ids, mask, num_generations=1, max_new_tokens=8, temperature=0.0, stop_ids=stops,
+        pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                               eos_token_id=stops, pad_token_id=tok.pad_token_id)[:, ids.shape[1] :]  # fmt: skip
+    assert torch.equal(completion, reference[:, : completion.shape[1]])
+    ended = list(range(len(stops)))  # each ended at its own stop id, the rest ran out of budget
+    assert [completion[row, row + 1].item() for row in ended] == stops
+    assert truncated.tolist() == [row >= len(stops) for row in range(4)]
+    assert completion_mask.sum(-1).tolist()[: len(stops)] == [row + 2 for row in ended]
 
 
 def test_generation_stops_once_every_row_ended(tiny):
@@ -73,7 +165,7 @@ def test_truncated_rows_are_flagged_and_texts_decoded(tiny):
     assert out.completion_ids.shape == (4, out.completion_mask.shape[1]) and out.prompt_ids.shape[0] == 4
     ended = (out.completion_ids == module.tokenizer.eos_token_id).any(-1)
     assert torch.equal(out.truncated, ~ended)
-    assert all(isinstance(t, str) and "<pad>" not in t for t in out.texts)
+    assert all(isinstance(t, str) for t in out.texts)
 
 
 def test_budget_holds_the_longest_target_with_margin():

@@ -269,11 +269,12 @@ def test_long_grouped_rollout_with_the_in_place_cache_is_greedy_exact(make_modul
     tok = module.tokenizer
     enc = tok(["A: the first B: a second Interleave:", "A: x B: y z Interleave:"], return_tensors="pt", padding=True)
     ids, mask = enc.input_ids, enc.attention_mask
-    special = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    grouped, _, _ = sample(module.policy, ids, mask, num_generations=3, max_new_tokens=80, temperature=0.0, **special)
+    grouped, _, _ = sample(module.policy, ids, mask, num_generations=3, max_new_tokens=80, temperature=0.0,
+                           stop_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
     reference = module.policy.generate(
-        input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False, **special
-    )
+        input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+    )  # fmt: skip
     reference = reference[:, ids.shape[1] :][:, : grouped.shape[1]]
     assert grouped.shape[1] > 40  # long enough to cross many cache writes
     for g in range(3):

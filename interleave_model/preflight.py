@@ -1,0 +1,145 @@
+"""Check a model against the curriculum before any training step: every problem found is one `PolicyError` line.
+
+The module runs `preflight` when fit / validate / test / predict set up, so a model that cannot do the task fails in
+seconds, not after the warm-start; `python cli.py check` prints the same checks with what was read from the folder.
+A folder without a tokenizer, and a tokenizer with neither pad nor EOS, are refused earlier, when the policy loads
+(`policy.load_pretrained`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from interleave_data.prompts import format_prompt
+from interleave_model.alignment import align
+from interleave_model.policy import PolicyError
+from interleave_model.rollout import decode
+
+LONGEST = 32  # examples per length whose prompts and targets are tokenized: the longest, by characters
+
+
+class StageFit(NamedTuple):
+    """What one length's longest examples need from the model's context."""
+
+    n_words: int
+    prompt_tokens: int  # the longest prompt, as collated (chat template included)
+    answer_tokens: int  # the sampler's budget for the longest target (`InterleaveGRPO._budget`)
+    limit: int | None  # the model's max_position_embeddings; None when its config names none
+
+    @property
+    def needed(self) -> int:
+        return self.prompt_tokens + self.answer_tokens
+
+
+def preflight(module, datamodule) -> list[StageFit]:
+    """Raise `PolicyError` on the first problem; return each length's token needs.
+
+    Args:
+        module: An `InterleaveGRPO` (its tokenizer, policy config and budget rule).
+        datamodule: An `InterleaveDataModule` after `setup()`, with the module's tokenizer assigned.
+    """
+    check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
+    fits = [stage_fit(module, datamodule, n) for n in lengths(datamodule)]
+    for fit in fits:
+        check_fit(fit)
+    check_round_trip(module.tokenizer, [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)])
+    return fits
+
+
+def lengths(datamodule) -> list[int]:
+    """Every length the DataModule has examples of: training stages, warm-start lengths, evaluation lengths."""
+    served = set(datamodule.stages) | set(datamodule.sft_stages or ()) | set(datamodule.eval_lengths)
+    return sorted(n for n in served if _examples(datamodule, n))
+
+
+def check_chat_template(tokenizer, template: str, name: str) -> None:
+    """A chat template must render one user message with the generation prompt (some refuse it, or need a system)."""
+    try:
+        format_prompt("a", "b", template, tokenizer)
+    except Exception as err:  # a template may raise anything (jinja's TemplateError, raise_exception, a TypeError)
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise PolicyError(f"{name}: the chat template fails on one user message: {first}") from err
+
+
+def stage_fit(module, datamodule, n_words: int) -> StageFit:
+    """Tokens the longest examples of `n_words` words need, by the collate and the budget rule the module uses."""
+    examples = sorted(_examples(datamodule, n_words), key=lambda e: len(e.target), reverse=True)[:LONGEST]
+    batch = datamodule.collate(examples, "eval")
+    try:
+        answer = module._budget(batch["targets"])
+    except ValueError as err:  # a fixed max_new_tokens too small for this stage
+        raise PolicyError(f"the {n_words}-word stage: {err}") from err
+    config = getattr(module.policy, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    return StageFit(n_words, int(batch["prompt_mask"].sum(-1).max()), answer, limit)
+
+
+def check_fit(fit: StageFit) -> None:
+    if fit.limit is not None and fit.needed > fit.limit:
+        raise PolicyError(
+            f"the {fit.n_words}-word stage needs {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} "
+            f"answer budget), more than the model's max_position_embeddings of {fit.limit}: drop the stage"
+        )
+
+
+def check_round_trip(tokenizer, targets: list[str]) -> None:
+    """Each target word must decode back to itself, else no answer could ever score 1 (e.g. a lowercasing tokenizer).
+
+    Words are checked one by one, through the same decoding the completions get (`rollout.decode`).
+    """
+    words = list(dict.fromkeys(word for target in targets for word in target.split()))
+    if not words:
+        return
+    for word, ids in zip(words, tokenizer(words, add_special_tokens=False)["input_ids"], strict=True):
+        back = decode(tokenizer, ids)
+        if back != word:
+            raise PolicyError(
+                f"the tokenizer does not round-trip the target word {word!r} (it decodes as {back!r}), so the "
+                "reward could never reach 1: use the model's own tokenizer, without a normalizer"
+            )
+
+
+def report(module, datamodule) -> list[str]:
+    """What `python cli.py check` prints: what was read from the model folder, each check, one greedy answer."""
+    tok = module.tokenizer
+    name = module.hparams.model_name_or_path
+    stops = ", ".join(f"{i} {tok.convert_ids_to_tokens(i)!r}" for i in module.stop_ids)
+    fallback = " (the EOS: the tokenizer sets no pad)" if tok.pad_token_id == tok.eos_token_id else ""
+    lines = [
+        f"model: {name}",
+        f"stop ids: {stops}",
+        f"pad: {tok.pad_token_id} {tok.pad_token!r}{fallback}",
+        f"chat template: {'yes, one user message + generation prompt' if tok.chat_template else 'none, plain text'}",
+    ]
+    try:
+        check_chat_template(tok, datamodule.template, name)
+    except PolicyError as err:
+        return lines + [f"FAIL {err}"]
+    ids = datamodule.collate(_examples(datamodule, lengths(datamodule)[0])[:1], "eval")["prompt_ids"][0].tolist()
+    if tok.bos_token_id is not None:
+        lines.append(f"bos: {tok.bos_token_id} {tok.bos_token!r}, {ids.count(tok.bos_token_id)} in a prompt")
+    lines.append(f"prompt starts: {tok.convert_ids_to_tokens(ids[:6])}")
+    checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, datamodule, n))) for n in lengths(datamodule)]
+    targets = [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)]
+    checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
+    for label, check in checks:
+        try:
+            lines.append(f"{label}: {check() or 'ok'}")
+        except PolicyError as err:
+            lines.append(f"{label}: FAIL {err}")
+    example = _examples(datamodule, lengths(datamodule)[0])[0]
+    batch = datamodule.collate([example], "eval")
+    batch |= {key: batch[key].to(module.device) for key in ("prompt_ids", "prompt_mask")}
+    answer = module.greedy(batch)[0]
+    score = align(answer, example.target).score
+    return lines + [f"target: {example.target}", f"greedy answer: {answer}", f"score: {score:.3f}"]
+
+
+def _fit_line(fit: StageFit) -> str:
+    check_fit(fit)
+    limit = "no limit in the config" if fit.limit is None else f"limit {fit.limit}"
+    return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
+
+
+def _examples(datamodule, n_words: int) -> list:
+    return [e for split in ("train", "val", "test") for e in datamodule.examples(n_words, split)]
