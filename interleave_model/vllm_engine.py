@@ -199,14 +199,17 @@ class VllmEngine:
             self._asleep = False
         G = num_generations
         greedy = temperature == 0
-        seeds = [None] * prompt_ids.shape[0]
-        if generator is not None and not greedy:
-            seeds = torch.randint(2**31 - 1, (prompt_ids.shape[0],), generator=generator).tolist()
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
                    for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]  # fmt: skip
+        seeds = [None] * len(prompts)
+        if generator is not None and not greedy:
+            seeds = torch.randint(2**31 - 1, (len(prompts),), generator=generator).tolist()
+        n = G
+        if greedy:  # vLLM samples a greedy answer once per request: the group is G requests of one answer
+            prompts, seeds, n = [p for p in prompts for _ in range(G)], [None] * len(prompts) * G, 1
         params = [
             self._vllm.SamplingParams(
-                n=G,
+                n=n,
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k if top_k > 0 else -1,
