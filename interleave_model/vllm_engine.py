@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,6 +94,7 @@ class VllmEngine:
         self.stop_token_ids = list(stop_token_ids)
         self.lora = is_peft(policy)
         self._workdir = Path(tempfile.mkdtemp(prefix="vllm-engine-"))
+        weakref.finalize(self, shutil.rmtree, self._workdir, ignore_errors=True)  # also when never closed
         self._lora_id = 0
         self._lora_request = None
         self.version: object = None
