@@ -399,6 +399,7 @@ def policy_loss(
     kl_estimator: str = "k3",
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
+    importance_weights: Tensor | None = None,
 ) -> LossOutput:
     """PPO-clipped GRPO objective with an optional KL penalty to a reference.
 
@@ -423,6 +424,8 @@ def policy_loss(
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
         loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
         max_completion_length: The ``dr_grpo`` normaliser's length; defaults to ``L``.
+        importance_weights: ``[N, L]`` weights of each token's policy-gradient term (not of its KL), e.g. the
+            truncated ratio correcting for a rollout engine other than the trainer (TRL's TIS); None = 1.
 
     Returns:
         :class:`LossOutput`.
@@ -456,6 +459,8 @@ def policy_loss(
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv  # [N, L]
     pg_per_token = -torch.minimum(unclipped, clipped)  # [N, L]
+    if importance_weights is not None:
+        pg_per_token = pg_per_token * torch.where(mask, importance_weights, zeros)  # [N, L]
 
     kl_per_token = torch.zeros_like(pg_per_token)  # [N, L]
     if ref_logprobs is not None:

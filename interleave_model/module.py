@@ -40,7 +40,7 @@ from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
-from interleave_model.vllm_engine import VllmEngine, VllmSettings
+from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
@@ -386,6 +386,7 @@ class InterleaveGRPO(L.LightningModule):
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
                 loss_type=hp.loss_type, max_completion_length=width,
+                importance_weights=self._importance_weights(trajectory.rollout, old, rows),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: rows for sequence-level losses, tokens for "dapo";
             # the per-token statistics are token-weighted whatever the loss type
@@ -436,6 +437,13 @@ class InterleaveGRPO(L.LightningModule):
         if self.training:
             engine.sleep()  # the update gets the engine's KV memory (sleep mode on a GPU)
         return roll
+
+    def _importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
+        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
+        settings = self._engine.settings if self._engine is not None else None
+        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
+            return None
+        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
 
     def _vllm_engine(self) -> VllmEngine:
         """The colocated engine, built at the first rollout, serving the policy's weights of this step."""

@@ -35,6 +35,10 @@ class VllmSettings:
         enable_sleep_mode: Free the engine's KV cache and move its weights off the GPU while the policy updates
             (GPU only).
         max_lora_rank: Largest LoRA rank the engine reserves room for; None takes the adapter's rank.
+        importance_sampling_correction: Weight each token's policy-gradient term by the truncated importance ratio
+            between the trainer's and the engine's log-probs (TRL's `vllm_importance_sampling_correction`): the
+            engine's numerics (bf16 kernels, another attention) sample from a slightly different policy.
+        importance_sampling_cap: Upper bound of that ratio (TRL's `vllm_importance_sampling_cap`).
     """
 
     gpu_memory_utilization: float = 0.3
@@ -43,6 +47,18 @@ class VllmSettings:
     enforce_eager: bool = False
     enable_sleep_mode: bool = False
     max_lora_rank: int | None = None
+    importance_sampling_correction: bool = False
+    importance_sampling_cap: float = 2.0
+
+
+def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
+    """Per-token weights `min(exp(trainer - engine), cap)` correcting for sampling on another engine. [N, C] -> [N, C].
+
+    The tokens were drawn from the engine's distribution; the loss assumes the trainer's. The ratio reweights each
+    token to the trainer's policy, truncated so that a token the engine found far likelier cannot dominate (TIS).
+    No gradient flows through the weights.
+    """
+    return torch.exp(trainer_logprobs.detach() - engine_logprobs).clamp(max=cap)
 
 
 def import_vllm():
@@ -126,6 +142,7 @@ class VllmEngine:
             **options,
         )
         self._vllm = vllm
+        self.settings = settings
         self.sleep_mode = settings.enable_sleep_mode
         self._asleep = False
 

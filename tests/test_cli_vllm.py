@@ -47,7 +47,9 @@ def fitted(tmp_path_factory, folder):
     root = tmp_path_factory.mktemp("vllm-run")
     torch.set_num_threads(1)
     # a high warm-start rate moves the weights enough to change the greedy answers (and show a missed sync)
-    cli = main(_args("fit", root, folder, "--model.sft_learning_rate=0.05", *ENGINE))
+    # and the importance-sampling correction runs through grpo_step
+    cli = main(_args("fit", root, folder, "--model.sft_learning_rate=0.05",
+                     "--model.vllm.importance_sampling_correction=true", *ENGINE))  # fmt: skip
     (checkpoint,) = root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     return cli, root, checkpoint
 
