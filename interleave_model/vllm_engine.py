@@ -19,6 +19,8 @@ from interleave_model.shield import shield_broken_addons
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Its start-up report (dozens of INFO lines per engine) would bury the training log; set the variable to see it.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 
 @dataclass
