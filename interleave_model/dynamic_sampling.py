@@ -129,6 +129,7 @@ def concat(parts: list[Trajectory], pad_token_id: int) -> Trajectory:
         completion_mask=right([r.completion_mask for r in rollouts], 0),
         truncated=torch.cat([r.truncated for r in rollouts]),
         texts=[t for r in rollouts for t in r.texts],
+        logprobs=right([r.logprobs for r in rollouts], 0.0),
     )  # fmt: skip
     return type(parts[0])(
         input_ids=sequences("input_ids", pad_token_id),

@@ -413,6 +413,7 @@ def policy_loss(
     loss_type: str = "grpo",
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
+    importance_weights: Tensor | None = None,
 ) -> LossOutput:
     """PPO-clipped GRPO objective with an optional KL penalty to a reference.
 
@@ -440,6 +441,8 @@ def policy_loss(
         max_completion_length: The ``dr_grpo`` normaliser's length, required by it.
         num_tokens: The ``dapo`` normaliser; default: the tokens in ``mask``. Under data parallelism pass the token
             count of every rank divided by the number of ranks (DDP averages the ranks' gradients), as TRL does.
+        importance_weights: ``[N, L]`` weights of each token's policy-gradient term (not of its KL), e.g. the
+            truncated ratio correcting for a rollout engine other than the trainer (TRL's TIS); None = 1.
 
     Returns:
         :class:`LossOutput`.
@@ -476,6 +479,8 @@ def policy_loss(
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv  # [N, L]
     pg_per_token = -torch.minimum(unclipped, clipped)  # [N, L]
+    if importance_weights is not None:
+        pg_per_token = pg_per_token * torch.where(mask, importance_weights, zeros)  # [N, L]
 
     kl_per_token = torch.zeros_like(pg_per_token)  # [N, L]
     if ref_logprobs is not None:

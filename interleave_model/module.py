@@ -41,13 +41,14 @@ from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import lr_factor
+from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
-torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling])
+torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings])
 
 
 class Trajectory(NamedTuple):
@@ -131,6 +132,9 @@ class InterleaveGRPO(L.LightningModule):
         eval_temperature: Sampling temperature of those answers.
         pass_k: The k of each pass@k reported, each <= eval_num_samples; None means [1, eval_num_samples].
         pass_threshold: Alignment score a sampled answer needs to count as correct for pass@k; 1.0 = exact match.
+        rollout_engine: "own" (the project's sampler, `rollout.py`) or "vllm" (colocated vLLM, `vllm_engine.py`),
+            used by training, validation, test and predict alike.
+        vllm: The vLLM engine's options (memory share, max model length, eager mode, sleep mode).
     """
 
     def __init__(
@@ -176,6 +180,8 @@ class InterleaveGRPO(L.LightningModule):
         eval_temperature: float = 1.0,
         pass_k: list[int] | None = None,
         pass_threshold: float = 1.0,
+        rollout_engine: str = "own",
+        vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()
         if num_generations < 2:
@@ -190,6 +196,8 @@ class InterleaveGRPO(L.LightningModule):
                 "use k3 (or k2)"
             )
         self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
+        if rollout_engine not in ("own", "vllm"):
+            raise ValueError(f"model.rollout_engine must be 'own' or 'vllm', got {rollout_engine!r}")
         self.save_hyperparameters(ignore=["rewards"])
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
@@ -214,6 +222,7 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
+        self._engine: VllmEngine | None = None  # built at the first rollout when rollout_engine is "vllm"
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
         self.strict_loading = not self._base_from_disk()
@@ -330,6 +339,8 @@ class InterleaveGRPO(L.LightningModule):
         if "cuda_rng" in checkpoint and self.device.type == "cuda":
             torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
+        if self._engine is not None:
+            self._engine.version = None  # the loaded weights reach the engine before its next rollout
         if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
             self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after
 
@@ -357,6 +368,12 @@ class InterleaveGRPO(L.LightningModule):
             if hp.num_iterations > 1:
                 old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
             ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if hp.beta > 0 else None
+            gap = None
+            if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
+                trainer = (
+                    self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids) if old is None else old
+                )
+                gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
         trajectory = Trajectory(
             input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
         )
@@ -372,6 +389,8 @@ class InterleaveGRPO(L.LightningModule):
             "time/reward_s": scored - rolled,
         }
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
+        if gap is not None:
+            stats["train/engine_logprob_gap"] = gap
         self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
         return trajectory, stats
 
@@ -399,7 +418,7 @@ class InterleaveGRPO(L.LightningModule):
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
                 loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
-                num_tokens=num_tokens,
+                num_tokens=num_tokens, importance_weights=self._importance_weights(trajectory.rollout, old, rows),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
@@ -438,19 +457,36 @@ class InterleaveGRPO(L.LightningModule):
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
         """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k."""
-        return rollout(
-            self.policy,
-            self.tokenizer,
-            batch["prompt_ids"],
-            batch["prompt_mask"],
-            stop_ids=self.stop_ids,
-            num_generations=num_generations,
-            max_new_tokens=self._budget(batch["targets"]),
-            temperature=temperature,
-            top_p=self.hparams.top_p,
-            top_k=self.hparams.top_k,
-            generator=generator,
-        )
+        kwargs = {"num_generations": num_generations, "max_new_tokens": self._budget(batch["targets"]),
+                  "temperature": temperature, "top_p": self.hparams.top_p, "top_k": self.hparams.top_k,
+                  "generator": generator}  # fmt: skip
+        if self.hparams.rollout_engine == "own":
+            return rollout(
+                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
+            )
+        engine = self._vllm_engine()
+        roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
+        if self.training:
+            engine.sleep()  # the update gets the engine's KV memory (sleep mode on a GPU)
+        return roll
+
+    def _importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
+        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
+        settings = self._engine.settings if self._engine is not None else None
+        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
+            return None
+        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
+
+    def _vllm_engine(self) -> VllmEngine:
+        """The colocated engine, built at the first rollout, serving the policy's weights of this step."""
+        hp = self.hparams
+        if self._engine is None:
+            path = None if hp.model_name_or_path == TINY else hp.model_name_or_path
+            seed = hp.seed + self.global_rank
+            self._engine = VllmEngine(self.policy, self.tokenizer, path, self.stop_ids, hp.vllm, seed=seed)
+        # every optimizer step moves global_step, so a new step means new weights
+        self._engine.serve(self.policy, version=self.global_step)
+        return self._engine
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
         """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""

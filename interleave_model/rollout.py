@@ -24,6 +24,7 @@ class Rollout(NamedTuple):
     completion_mask: Tensor  # [P*G, C] 1 = generated token up to and including the first stop token
     truncated: Tensor  # [P*G] bool: the budget ran out before a stop token
     texts: list[str]  # the decoded tokens before the first stop token (see `completion_texts`)
+    logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM only)
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:

@@ -1,0 +1,282 @@
+"""Rollouts on vLLM, colocated in the training process and handed the policy's new weights after every update."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from interleave_model.policy import is_peft
+from interleave_model.rollout import Rollout, completion_texts
+from interleave_model.shield import shield_broken_addons
+
+# Inside a training process the engine core must run in this process: the default spawns a worker that would load
+# the model a second time and could not see the trainer's weights.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# Its start-up report (dozens of INFO lines per engine) would bury the training log; set the variable to see it.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+
+@dataclass
+class VllmSettings:
+    """The vLLM engine's options (`model.rollout_engine: vllm`).
+
+    Args:
+        gpu_memory_utilization: Share of the GPU's memory the engine may take for its weights and KV cache; the
+            trainer's weights, optimizer state and activations live in the rest (docs/SCALING.md). On a CPU, vLLM
+            reads it as a share of the machine's memory.
+        kv_cache_memory_bytes: Exact KV-cache size in bytes instead of a share; None sizes it from the share.
+        max_model_len: Longest prompt + completion in tokens; None takes the model's own limit.
+        enforce_eager: Skip CUDA graphs and compilation (quicker start, slower decoding).
+        enable_sleep_mode: Free the engine's KV cache and move its weights off the GPU while the policy updates
+            (GPU only).
+        max_lora_rank: Largest LoRA rank the engine reserves room for; None takes the adapter's rank.
+        importance_sampling_correction: Weight each token's policy-gradient term by the truncated importance ratio
+            between the trainer's and the engine's log-probs (TRL's `vllm_importance_sampling_correction`): the
+            engine's numerics (bf16 kernels, another attention) sample from a slightly different policy.
+        importance_sampling_cap: Upper bound of that ratio (TRL's `vllm_importance_sampling_cap`).
+    """
+
+    gpu_memory_utilization: float = 0.3
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = False
+    max_lora_rank: int | None = None
+    importance_sampling_correction: bool = False
+    importance_sampling_cap: float = 2.0
+
+
+def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
+    """Per-token weights `min(exp(trainer - engine), cap)` correcting for sampling on another engine. [N, C] -> [N, C].
+
+    The tokens were drawn from the engine's distribution; the loss assumes the trainer's. The ratio reweights each
+    token to the trainer's policy, truncated so that a token the engine found far likelier cannot dominate (TIS).
+    No gradient flows through the weights.
+    """
+    return torch.exp(trainer_logprobs.detach() - engine_logprobs).clamp(max=cap)
+
+
+def import_vllm():
+    """Import vLLM, with the add-ons that cannot load hidden (`shield.py`).
+
+    vLLM inspects model classes in a fresh interpreter, which would meet a hidden add-on again; when one is hidden the
+    inspection runs in this process instead (a child keeps CUDA uninitialised, and a machine whose add-ons fail for
+    want of CUDA libraries has no CUDA to keep).
+    """
+    hidden = shield_broken_addons()
+    import vllm
+    import vllm.model_executor.models.registry as registry
+
+    if hidden:
+        registry._run_in_subprocess = lambda fn: fn()
+    return vllm
+
+
+class VllmEngine:
+    """A vLLM engine holding a copy of the policy, sampling groups of completions into the sampler's `Rollout`.
+
+    The engine starts from the policy's model folder (the tiny model is written to a temporary one). Under LoRA it
+    serves the trainer's adapter, saved after every update and loaded under a fresh id; the base is never merged, so
+    the trainer's frozen weights stay bitwise as loaded. Without LoRA every weight is pushed into the engine's model.
+    Under DDP each rank holds its own engine (`external_launcher`).
+
+    Args:
+        policy: The trainer's policy (a transformers causal LM, maybe wrapped by peft).
+        tokenizer: Its tokenizer; decodes the completions and pads them.
+        model_path: The folder (or hub name) the policy was loaded from; None writes the policy's base to a folder.
+        stop_token_ids: Tokens that end a completion.
+        settings: The engine's options.
+        seed: Seed of the engine's own sampling stream (rollouts given a generator draw per-prompt seeds from it).
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer,
+        model_path: str | None,
+        stop_token_ids: list[int],
+        settings: VllmSettings | dict | None = None,
+        seed: int = 0,
+    ) -> None:
+        vllm = import_vllm()
+        # saved hyperparameters hold the settings as a plain dict
+        settings = VllmSettings(**settings) if isinstance(settings, dict) else settings or VllmSettings()
+        self.tokenizer = tokenizer
+        self.stop_token_ids = list(stop_token_ids)
+        self.lora = is_peft(policy)
+        self._workdir = Path(tempfile.mkdtemp(prefix="vllm-engine-"))
+        weakref.finalize(self, shutil.rmtree, self._workdir, ignore_errors=True)  # also when never closed
+        self._lora_id = 0
+        self._lora_request = None
+        self.version: object = None
+        base = policy.get_base_model() if self.lora else policy
+        if model_path is None:
+            model_path = str(self._workdir / "model")
+            base.save_pretrained(model_path)
+            tokenizer.save_pretrained(model_path)
+        options = {}
+        if self.lora:
+            config = next(iter(policy.peft_config.values()))
+            options = {"enable_lora": True, "max_loras": 1, "max_lora_rank": settings.max_lora_rank or config.r}
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if torch.distributed.get_world_size() > 1:
+                options["distributed_executor_backend"] = "external_launcher"
+        self.llm = vllm.LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
+            seed=seed,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            enable_sleep_mode=settings.enable_sleep_mode,
+            enable_prefix_caching=True,  # the G completions of a prompt share its prefill
+            generation_config="vllm",  # sampling follows the trainer's settings, not the folder's defaults
+            logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+            **options,
+        )
+        self._vllm = vllm
+        self.settings = settings
+        self.sleep_mode = settings.enable_sleep_mode
+        self._asleep = False
+
+    # ---------------------------------------------------------------- the policy
+
+    def serve(self, policy: torch.nn.Module, version: object) -> None:
+        """Make the engine sample from `policy`'s current weights, unless it already holds `version` of them."""
+        if version == self.version:
+            return
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        if self.lora:
+            self._load_adapter(policy)
+        else:
+            self._push_weights(policy)
+        # cached prefixes hold keys and values of the old weights
+        self.llm.reset_prefix_cache()
+        self.version = version
+
+    def sleep(self) -> None:
+        """Give the engine's GPU memory to the update (sleep mode); `serve` wakes it."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def _load_adapter(self, policy: torch.nn.Module) -> None:
+        """Save the adapter and have the engine load it under a fresh id (ids name adapters in its caches)."""
+        from vllm.lora.request import LoRARequest
+
+        previous = self._lora_request
+        self._lora_id += 1
+        path = self._workdir / f"adapter-{self._lora_id}"
+        policy.save_pretrained(path)
+        self._lora_request = LoRARequest(f"policy-{self._lora_id}", self._lora_id, str(path))
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+    def _push_weights(self, policy: torch.nn.Module) -> None:
+        """Copy every weight of `policy` into the engine's model, in place (vLLM fuses q/k/v and gate/up itself)."""
+        weights = ((name, tensor.detach()) for name, tensor in policy.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+
+    # ---------------------------------------------------------------- sampling
+
+    @torch.no_grad()
+    def rollout(
+        self,
+        prompt_ids: Tensor,
+        prompt_mask: Tensor,
+        *,
+        num_generations: int,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        generator: torch.Generator | None = None,
+    ) -> Rollout:
+        """`num_generations` completions per prompt, group-major, as `rollout.rollout` returns them.
+
+        Args:
+            prompt_ids: Left-padded prompts, [P, Lp].
+            prompt_mask: 1 for real prompt tokens, [P, Lp].
+            generator: Draws one seed per prompt, so a rollout is reproducible from the generator's state.
+
+        Returns:
+            The `Rollout`, with `logprobs` [P*G, C]: the engine's log-probs of the sampled tokens (0 on padding;
+            None when greedy).
+        """
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        G = num_generations
+        greedy = temperature == 0
+        prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
+                   for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]  # fmt: skip
+        seeds = [None] * len(prompts)
+        if generator is not None and not greedy:
+            seeds = torch.randint(2**31 - 1, (len(prompts),), generator=generator).tolist()
+        n = G
+        if greedy:  # vLLM samples a greedy answer once per request: the group is G requests of one answer
+            prompts, seeds, n = [p for p in prompts for _ in range(G)], [None] * len(prompts) * G, 1
+        params = [
+            self._vllm.SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k if top_k > 0 else -1,
+                max_tokens=max_new_tokens,
+                stop_token_ids=self.stop_token_ids,
+                ignore_eos=True,
+                logprobs=None if greedy else 0,
+                seed=seed,
+                detokenize=False,
+                skip_special_tokens=False,
+            )  # fmt: skip
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        rows = [completion for request in outputs for completion in request.outputs]  # group-major
+        return self._record(prompt_ids, prompt_mask, rows, G, with_logprobs=not greedy)
+
+    def _record(self, prompt_ids: Tensor, prompt_mask: Tensor, rows, G: int, with_logprobs: bool) -> Rollout:
+        """Pad the engine's completions into the sampler's tensors (pad after the stop token, as the sampler does)."""
+        width = max(len(row.token_ids) for row in rows)  # C
+        device = prompt_ids.device
+        pad = self.tokenizer.pad_token_id
+        completion_ids = torch.full((len(rows), width), pad, dtype=torch.long)  # [P*G, C]
+        completion_mask = torch.zeros((len(rows), width), dtype=torch.long)  # [P*G, C]
+        logprobs = torch.zeros((len(rows), width)) if with_logprobs else None  # [P*G, C]
+        for i, row in enumerate(rows):
+            n = len(row.token_ids)
+            completion_ids[i, :n] = torch.tensor(row.token_ids)
+            completion_mask[i, :n] = 1
+            if logprobs is not None:
+                steps = zip(row.token_ids, row.logprobs, strict=True)
+                logprobs[i, :n] = torch.tensor([step[token].logprob for token, step in steps])
+        stops = torch.tensor(self.stop_token_ids)
+        truncated = ~torch.isin(completion_ids, stops).any(-1)  # [P*G] no stop token within the budget
+        texts = completion_texts(self.tokenizer, completion_ids, self.stop_token_ids)
+        return Rollout(
+            prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
+            prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
+            completion_ids=completion_ids.to(device),
+            completion_mask=completion_mask.to(device),
+            truncated=truncated.to(device),
+            texts=texts,
+            logprobs=logprobs.to(device) if logprobs is not None else None,
+        )
+
+    def close(self) -> None:
+        """Free the engine and its temporary folder."""
+        shutil.rmtree(self._workdir, ignore_errors=True)
+        del self.llm

@@ -1,0 +1,33 @@
+"""Truncated importance sampling for rollouts from another engine: the weights and where they enter the loss."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from interleave_model.grpo import policy_loss
+from interleave_model.vllm_engine import truncated_importance_weights
+
+
+def test_weights_are_the_trainer_over_engine_ratio_capped():
+    trainer = torch.tensor([[0.0, -1.0, -2.0]])
+    engine = torch.tensor([[-math.log(2.0), 0.0, -2.0]])
+    # exp(0 + ln 2) = 2 -> capped at 1.5; exp(-1 - 0) = 0.368; exp(0) = 1
+    weights = truncated_importance_weights(trainer, engine, cap=1.5)
+    assert torch.allclose(weights, torch.tensor([[1.5, math.exp(-1.0), 1.0]]))
+
+
+def test_weights_scale_each_tokens_policy_term_but_not_its_kl():
+    logprobs = torch.tensor([[-1.0, -1.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.5]])
+    mask = torch.ones(1, 2)
+    weights = torch.tensor([[2.0, 0.5]])
+    plain = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask, ref_logprobs=ref, beta=0.1)
+    weighted = policy_loss(logprobs, logprobs.detach(), torch.tensor([1.0]), mask, ref_logprobs=ref, beta=0.1,
+                           importance_weights=weights)  # fmt: skip
+    # ratio 1, A = 1: the policy term is -1 per token, -w with the weights; mean over the row: -(2 + 0.5) / 2 = -1.25
+    assert math.isclose(plain.pg_loss.item(), -1.0) and math.isclose(weighted.pg_loss.item(), -1.25)
+    kl_term = weighted.loss.item() - weighted.pg_loss.item()
+    assert math.isclose(kl_term, plain.loss.item() - plain.pg_loss.item(), abs_tol=1e-6)
+    assert math.isclose(weighted.kl.item(), plain.kl.item())

@@ -1,0 +1,88 @@
+"""`--model.rollout_engine vllm` through the CLI: fit, validate, predict and resume.
+
+On the GPT-2 fixture: its answers are words, where the random chat families answer blank lines that all read "".
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+pytest.importorskip("vllm")
+
+from cli import main  # noqa: E402
+from interleave_model.policy import load_pretrained  # noqa: E402
+from tests.conftest import TINY_CONFIG  # noqa: E402
+
+ENGINE = ["--model.rollout_engine=vllm", "--model.vllm.kv_cache_memory_bytes=33554432",
+          "--model.vllm.max_model_len=1024", "--model.vllm.enforce_eager=true"]  # fmt: skip
+
+
+def _args(command: str, root: Path, folder: Path, *extra: str) -> list[str]:
+    return [command, "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={root}",
+            f"--data.cache_dir={root / 'cache'}", f"--model.model_name_or_path={folder}", "--model.dtype=float32",
+            *extra]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, family_folders) -> Path:
+    """The GPT-2 fixture with its embeddings scaled down: a sharp random model answers the same whatever a short fit
+    did to it, and a missed weight sync could not show."""
+    out = tmp_path_factory.mktemp("soft-gpt2")
+    model, tokenizer = load_pretrained(str(family_folders["gpt2"]), dtype="float32")
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(0.1)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory, folder):
+    """A 4-step fit (2 warm-start, 2 GRPO) rolled out on vLLM: the CLI, its folder and its checkpoint."""
+    root = tmp_path_factory.mktemp("vllm-run")
+    torch.set_num_threads(1)
+    # a high warm-start rate moves the weights enough to change the greedy answers (and show a missed sync)
+    # and the importance-sampling correction runs through grpo_step
+    cli = main(_args("fit", root, folder, "--model.sft_learning_rate=0.05",
+                     "--model.vllm.importance_sampling_correction=true", *ENGINE))  # fmt: skip
+    (checkpoint,) = root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
+    return cli, root, checkpoint
+
+
+def test_fit_rolls_out_on_the_engine_and_logs_its_logprob_gap(fitted):
+    cli, _, _ = fitted
+    assert cli.trainer.global_step == 4
+    events = EventAccumulator(cli.trainer.logger.log_dir).Reload()
+    gaps = [event.value for event in events.Scalars("train/engine_logprob_gap")]
+    assert len(gaps) == 2 and max(gaps) < 1e-4  # both GRPO steps, engine and trainer in step (fp32)
+    assert "val/alignment_4w" in events.Tags()["scalars"]
+
+
+def _completions(root: Path, folder: Path, *extra: str) -> list[str]:
+    cli = main(_args("predict", root, folder, *extra))
+    lines = (Path(cli.trainer.log_dir) / "predictions.jsonl").read_text().splitlines()
+    return [json.loads(line)["completion"] for line in lines]
+
+
+def test_predict_and_validate_on_the_engine_equal_the_own_sampler(fitted, folder):
+    """The checkpoint's weights reach the engine: its greedy answers are the own sampler's, not the folder's."""
+    _, root, checkpoint = fitted
+    trained = _completions(root, folder, f"--ckpt_path={checkpoint}")
+    assert _completions(root, folder, f"--ckpt_path={checkpoint}", *ENGINE) == trained
+    assert _completions(root, folder) != trained  # the fit moved the weights far enough to change the answers
+    reports = [main(_args("validate", root, folder, f"--ckpt_path={checkpoint}", *extra)).trainer.log_dir
+               for extra in ([], ENGINE)]  # fmt: skip
+    own, engine = (json.loads((Path(d) / "eval" / "report.json").read_text())["lengths"] for d in reports)
+    assert engine == own and len(own) == 2
+
+
+def test_resume_on_the_engine(fitted, folder):
+    _, root, checkpoint = fitted
+    cli = main(_args("fit", root, folder, f"--ckpt_path={checkpoint}", "--trainer.max_steps=6",
+                     *ENGINE))  # fmt: skip
+    assert cli.trainer.global_step == 6
