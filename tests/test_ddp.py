@@ -161,7 +161,9 @@ def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[
     record_dir.mkdir()
     # two ranks take two prompts each (Lightning's DistributedSampler); one process takes all four
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=4 // devices, collate_fn=_collate)
-    strategy = {"strategy": "ddp_spawn"} if devices > 1 else {}
+    # fork, not spawn: a spawned child would import Lightning afresh, before interleave_model.shield could hide a
+    # broken torchvision (the test extra installs one); a forked child keeps this process's modules
+    strategy = {"strategy": "ddp_fork"} if devices > 1 else {}
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, **strategy,
