@@ -5,6 +5,9 @@ The curriculum moves after the first GRPO batch, so the ranks must agree on a mo
 
 from __future__ import annotations
 
+import interleave_model  # noqa: F401  first: `python -m tests.test_ddp` must hide a broken torchvision before Lightning
+
+# isort: split
 import json
 import os
 import subprocess
@@ -161,8 +164,6 @@ def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[
     record_dir.mkdir()
     # two ranks take two prompts each (Lightning's DistributedSampler); one process takes all four
     loader = torch.utils.data.DataLoader(list(range(4)), batch_size=4 // devices, collate_fn=_collate)
-    # fork, not spawn: a spawned child would import Lightning afresh, before interleave_model.shield could hide a
-    # broken torchvision (the test extra installs one); a forked child keeps this process's modules
     strategy = {"strategy": "ddp_fork"} if devices > 1 else {}
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_steps=1, logger=False, enable_checkpointing=False,
@@ -177,7 +178,15 @@ def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[
 def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_path):
     before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]
     one, (whole,) = _train_one_step(tmp_path / "one", devices=1)
-    two, ranks = _train_one_step(tmp_path / "two", devices=2)  # gloo on a CPU; rank 0's weights come back here
+    # The two gloo ranks are forked by a fresh process (`__main__` below), which returns rank 0's weights: forked
+    # from this one, after other tests' threads (vLLM's engine) ran, a rank could inherit a held lock and hang; spawned,
+    # it would import Lightning before interleave_model's shield hides a torchvision that cannot load.
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.test_ddp", str(tmp_path / "two")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    weights = torch.load(tmp_path / "two" / "weights.pt")
+    ranks = [json.loads(path.read_text()) for path in sorted((tmp_path / "two").glob("rank*.json"))]
 
     assert len(ranks) == 2 and sorted(ranks[0]["texts"] + ranks[1]["texts"]) == sorted(whole["texts"])
     advantages = dict(zip(whole["texts"], whole["advantages"], strict=True))  # "batch": the std of all 8 rewards
@@ -187,5 +196,11 @@ def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_p
     assert (ranks[0]["loss"] + ranks[1]["loss"]) / 2 == pytest.approx(whole["loss"], rel=1e-5)
     # the updates agree: the step moved the weights, and two ranks moved them as one process did
     assert any(not torch.equal(a, b) for a, b in zip(before, one.policy.parameters(), strict=True))
-    for (name, a), b in zip(one.policy.named_parameters(), two.policy.parameters(), strict=True):
+    for (name, a), b in zip(one.policy.named_parameters(), weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
+
+
+if __name__ == "__main__":  # the two-rank half of the test above: python -m tests.test_ddp FOLDER
+    folder = Path(sys.argv[1])
+    two, _ = _train_one_step(folder, devices=2)
+    torch.save([p.detach() for p in two.policy.parameters()], folder / "weights.pt")
