@@ -13,15 +13,21 @@ pi, its expected gradient is zero (it is the score function's mean), so ``beta *
 from __future__ import annotations
 
 import contextlib
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch import Tensor
 
-SCALE_REWARDS = ("group", "batch", "none")
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+# The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
+KlEstimator = Literal["k1", "k2", "k3"]
+LossType = Literal["grpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo"]
+
+SCALE_REWARDS = get_args(ScaleRewards)
+ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
+KL_ESTIMATORS = get_args(KlEstimator)
+LOSS_TYPES = get_args(LossType)
 
 # Elements of one fp32 [chunk, V] working tensor: 2**26 floats = 256 MiB, about 520 tokens of Llama-3's 128k vocab.
 _CHUNK_ELEMENTS = 2**26
@@ -94,7 +100,7 @@ def zero_std_groups(rewards: Tensor, num_generations: int) -> Tensor:
 def group_advantages(
     rewards: Tensor,
     num_generations: int,
-    scale_rewards: str = "group",
+    scale_rewards: ScaleRewards = "group",
     estimator: str = "grpo",
     eps: float = 1e-4,
     batch_std: Tensor | float | None = None,
@@ -409,8 +415,8 @@ def policy_loss(
     epsilon_high: float | None = None,
     ref_logprobs: Tensor | None = None,
     beta: float = 0.0,
-    kl_estimator: str = "k3",
-    loss_type: str = "grpo",
+    kl_estimator: KlEstimator = "k3",
+    loss_type: LossType = "grpo",
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
     importance_weights: Tensor | None = None,

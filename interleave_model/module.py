@@ -8,7 +8,7 @@ import random
 import time
 import warnings
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import lightning as L
 import torch
@@ -40,7 +40,7 @@ from interleave_model.policy import (
 from interleave_model.preflight import preflight
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
-from interleave_model.schedule import lr_factor
+from interleave_model.schedule import LrSchedule, lr_factor
 from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -157,20 +157,20 @@ class InterleaveGRPO(L.LightningModule):
         max_new_tokens: int | None = None,
         budget_margin: float = 0.25,
         beta: float = 0.04,
-        kl_estimator: str = "k3",
+        kl_estimator: grpo.KlEstimator = "k3",
         epsilon: float = 0.2,
         epsilon_high: float | None = None,
         num_iterations: int = 1,
-        loss_type: str = "grpo",
+        loss_type: grpo.LossType = "grpo",
         max_completion_length: int | None = None,
-        scale_rewards: str = "group",
-        advantage_estimator: str = "grpo",
+        scale_rewards: grpo.ScaleRewards = "group",
+        advantage_estimator: grpo.AdvantageEstimator = "grpo",
         rewards: list[RewardFunction] | None = None,
         learning_rate: float = 1e-5,
         sft_learning_rate: float = 1e-3,
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
-        lr_schedule: str = "cosine",
+        lr_schedule: LrSchedule = "cosine",
         sft_steps: int = 0,
         max_grad_norm: float = 1.0,
         micro_batch_size: int | None = None,
@@ -180,7 +180,7 @@ class InterleaveGRPO(L.LightningModule):
         eval_temperature: float = 1.0,
         pass_k: list[int] | None = None,
         pass_threshold: float = 1.0,
-        rollout_engine: str = "own",
+        rollout_engine: Literal["own", "vllm"] = "own",
         vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()

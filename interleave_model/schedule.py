@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from typing import Literal, get_args
 
-SCHEDULES = ("cosine", "constant")
+LrSchedule = Literal["cosine", "constant"]
+SCHEDULES = get_args(LrSchedule)
 
 
 def lr_factor(
-    step: int, warmup_steps: int, total_steps: int, schedule: str = "cosine", min_ratio: float = 0.1
+    step: int, warmup_steps: int, total_steps: int, schedule: LrSchedule = "cosine", min_ratio: float = 0.1
 ) -> float:
     """Multiplier of the base learning rate at `step`: linear warm-up, then cosine decay to `min_ratio` (or flat).
 

@@ -48,6 +48,18 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
     assert len(error) == 1 and "num_generationz" in error[0]
 
 
+@pytest.mark.parametrize(
+    "key", ["loss_type", "kl_estimator", "scale_rewards", "advantage_estimator", "lr_schedule", "rollout_engine"]
+)
+def test_a_mistyped_choice_is_refused_when_the_config_is_parsed(key, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(TINY_CONFIG), f"--model.{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
+    assert exit_.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(error) == 1 and f"model.{key}" in error[0]
+    assert not any(tmp_path.iterdir())  # refused before anything was built: no run folder
+
+
 def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     missing = tmp_path / "no_such_run" / "last.ckpt"
     args = ["fit", "--config", str(TINY_CONFIG), f"--model.init_from={missing}", "--trainer.logger=false"]
