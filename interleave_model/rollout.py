@@ -240,10 +240,10 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, uniform:
         drop = (probs.cumsum(-1) - probs) > top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     # unnormalised probabilities are enough: _draw scales its uniform number by their total
-    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), uniform=uniform)
+    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), uniform)
 
 
-def _draw(weights: Tensor, generator: torch.Generator | None = None, uniform: Tensor | None = None) -> Tensor:
+def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
     """One token per row, with probability proportional to `weights` [N, V] (>= 0), by inverting the CDF.
 
     `torch.multinomial` draws an exponential number for every vocabulary entry, which made it the largest single cost
@@ -252,7 +252,7 @@ def _draw(weights: Tensor, generator: torch.Generator | None = None, uniform: Te
     1e-7 of itself, never a fixed amount, so the rare tail of a 128k vocabulary keeps its probabilities (a float32 CDF
     over the whole vocabulary would round every tail token to a multiple of 6e-8). The number stays strictly below
     each total, so a token of zero weight (cut by top-k or top-p) is never drawn. The numbers are `uniform` [N, 1]
-    (in [0, 1)), or drawn from `generator` when it is None.
+    (in [0, 1)), one per row.
     """
     n, vocab = weights.shape
     full = vocab - vocab % _BLOCK
@@ -261,8 +261,6 @@ def _draw(weights: Tensor, generator: torch.Generator | None = None, uniform: Te
         sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=-1)  # the last, partial block
     block_cdf = sums.double().cumsum(-1)  # [N, K]
     total = block_cdf[:, -1:]  # [N, 1]
-    if uniform is None:
-        uniform = _uniform(n, generator, weights.device)
     u = uniform * total  # [N, 1]
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(u)))
     block = torch.searchsorted(block_cdf, u, right=True)  # [N, 1], the first block whose CDF exceeds u

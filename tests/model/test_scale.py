@@ -17,7 +17,7 @@ from interleave_model.grpo import head_token_logprobs, token_entropy, token_logp
 from interleave_model.logprobs import completion_logprobs, fused_head
 from interleave_model.policy import LoraSettings, TinyModelConfig, apply_lora
 from interleave_model.rewards import RewardFunction
-from interleave_model.rollout import _draw, sample, token_budget
+from interleave_model.rollout import _draw, _uniform, sample, token_budget
 from tests.conftest import TINY_SHAPE
 
 # meta-llama/Llama-3.2-3B(-Instruct) config.json, the fields that size the model
@@ -257,7 +257,8 @@ def test_sampler_draws_in_proportion_and_never_a_zero_weight_token():
     vocab = 2 * 256 + 37  # two full blocks and a partial one
     weights = torch.zeros(vocab)
     weights[[0, 255, 256, 300, vocab - 1]] = torch.tensor([3.0, 1.0, 2.0, 0.5, 3.5])  # total 10
-    draws = _draw(weights.expand(100_000, vocab).contiguous(), torch.Generator().manual_seed(0))
+    uniform = _uniform(100_000, torch.Generator().manual_seed(0), weights.device)  # [100k, 1]
+    draws = _draw(weights.expand(100_000, vocab).contiguous(), uniform)
     counts = torch.bincount(draws, minlength=vocab).double() / draws.numel()
     assert counts[weights == 0].sum() == 0
     # binomial standard error at 100k draws is at most 0.0016
