@@ -247,7 +247,7 @@ def _read_saved_hf(path: Path) -> Iterator[tuple[str, str]]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except Exception as e:  # any library failure becomes one line naming the folder
-        raise CorpusError(f"{path}: cannot load saved HF dataset: {_first_line(e)}") from None
+        raise CorpusError(f"{path}: cannot load saved HF dataset: {first_line(e)}") from None
     if isinstance(loaded, datasets.DatasetDict):
         for split, dataset in loaded.items():
             for key, text in _read_hf_rows(str(path), dataset):
@@ -275,9 +275,10 @@ def _load_hub(source: str):
         return datasets.load_dataset(name, config or None, split="train")
     except Exception as e:  # network and hub failures become one line naming the source
         raise CorpusError(
-            f"{source}: not a local file or folder, and loading it from the hub failed: {_first_line(e)}"
+            f"{source}: not a local file or folder, and loading it from the hub failed: {first_line(e)}"
         ) from None
 
 
-def _first_line(error: Exception) -> str:
+def first_line(error: Exception) -> str:
+    """The first line of an error's message (its class name when the message is empty), for one-line errors."""
     return (str(error).strip().splitlines() or [type(error).__name__])[0]

@@ -12,6 +12,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from interleave_data.corpus import first_line
+
 TINY = "tiny"
 """`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
 
@@ -129,11 +131,11 @@ def load_pretrained(
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
-        raise PolicyError(f"cannot load the tokenizer of {path!r}: {_first_line(err)}") from err
+        raise PolicyError(f"cannot load the tokenizer of {path!r}: {first_line(err)}") from err
     try:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     except OSError as err:
-        raise PolicyError(f"cannot load model {path!r}: {_first_line(err)}") from err
+        raise PolicyError(f"cannot load model {path!r}: {first_line(err)}") from err
     return model, prepare_tokenizer(tokenizer, path)
 
 
@@ -199,10 +201,6 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
 def is_peft(model: torch.nn.Module) -> bool:
     """True when `model` carries a peft adapter (its reference is then the adapter switched off)."""
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
-
-
-def _first_line(err: Exception) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
 from interleave_model.alignment import align
 from interleave_model.policy import PolicyError
@@ -57,8 +58,7 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
     try:
         format_prompt("a", "b", template, tokenizer)
     except Exception as err:  # a template may raise anything (jinja's TemplateError, raise_exception, a TypeError)
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise PolicyError(f"{name}: the chat template fails on one user message: {first}") from err
+        raise PolicyError(f"{name}: the chat template fails on one user message: {first_line(err)}") from err
 
 
 def stage_fit(module, datamodule, n_words: int) -> StageFit:
