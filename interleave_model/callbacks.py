@@ -21,6 +21,7 @@ from interleave_data.curriculum import Stage
 from interleave_data.datamodule import batches_run
 from interleave_model.alignment import align
 from interleave_model.export import export
+from interleave_model.runs import run_dir
 from interleave_model.samples import sample_markdown
 
 COLLAPSE_RESPONSES = ("raise_temperature", "step_back", "stop")
@@ -142,7 +143,7 @@ class CurriculumCallback(L.Callback):
             Stage(n, *(_per_stage(v, name, lengths)[i] for v, name in self._stage_settings()))
             for i, n in enumerate(lengths)
         ]
-        self.run_dir = Path(trainer.log_dir or trainer.default_root_dir)  # log_dir is collective: every rank asks
+        self.run_dir = run_dir(trainer)
         if not self._restored:
             self.state.stage_index = datamodule.stage_index
 
@@ -349,7 +350,7 @@ class SampleDump(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.path = Path(trainer.log_dir or trainer.default_root_dir) / self.filename  # collective: on every rank
+        self.path = run_dir(trainer) / self.filename
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

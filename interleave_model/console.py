@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
+from interleave_model import runs
 from interleave_model.callbacks import CurriculumCallback
 from interleave_model.writers import EvaluationReport
 
@@ -182,7 +183,7 @@ class ConsoleSummary(L.Callback):
         return True
 
     def _summary(self, trainer: L.Trainer, command: str) -> str:
-        run_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        run_dir = runs.run_dir(trainer)
         if command == "fit":
             done = f"step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")
         elif trainer.ckpt_path:

@@ -43,6 +43,14 @@ class RunLogger(TensorBoardLogger):
         super().__init__(save_dir or RUNS_DIR, name=name, version=version, **kwargs)
 
 
+def run_dir(trainer) -> Path:
+    """The run's folder: the logger's version folder, or `default_root_dir` without a logger.
+
+    `trainer.log_dir` is a collective under DDP (rank 0 broadcasts it): call this on every rank.
+    """
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
 class RunError(ValueError):
     """A checkpoint the command line names (`--ckpt_path last`) that no run holds."""
 

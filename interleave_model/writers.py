@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from interleave_model.atomic import replacing
 from interleave_model.report import build_report, curve_figure, save_figure, write_report
+from interleave_model.runs import run_dir
 
 
 class EvaluationReport(Callback):
@@ -53,7 +54,7 @@ class EvaluationReport(Callback):
         self._write(trainer, pl_module)
 
     def _write(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        dirpath = Path(self.dirpath or _run_dir(trainer) / "eval")  # every rank: log_dir is a collective
+        dirpath = Path(self.dirpath or run_dir(trainer) / "eval")  # every rank: log_dir is a collective
         results = getattr(pl_module, "eval_results", None)
         if trainer.is_global_zero and results and results["lengths"]:
             fitting = trainer.state.fn == TrainerFn.FITTING
@@ -94,7 +95,7 @@ class PredictionWriter(BasePredictionWriter):
 
     @override
     def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._path = Path(self.output_path or _run_dir(trainer) / "predictions.jsonl")
+        self._path = Path(self.output_path or run_dir(trainer) / "predictions.jsonl")
         self._path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self._part(trainer.global_rank), "w", encoding="utf-8")  # noqa: SIM115 (closed at the end)
 
@@ -137,11 +138,6 @@ class PredictionWriter(BasePredictionWriter):
 
     def _part(self, rank: int) -> Path:
         return self._path.with_name(f"{self._path.name}.rank{rank}.part")
-
-
-def _run_dir(trainer: L.Trainer) -> Path:
-    """The run's folder: the logger's version folder, or the root folder without a logger."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
 
 
 def _model_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
