@@ -7,14 +7,13 @@ build is never served. (``Dataset.from_generator`` would key its cache by the ge
 import hashlib
 import json
 import logging
-import shutil
-import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 import datasets
 
+from interleave_data.atomic import replacing_dir
 from interleave_data.corpus import corpus_fingerprint, load_corpus
 from interleave_data.pairs import Example, build_dataset
 
@@ -79,19 +78,8 @@ def build_cache(
     examples = build_dataset(load_corpus(sources).texts, lengths, pairs, fractions, seed)
     rows = [example.to_dict() for key in examples for example in examples[key]]
     dataset = datasets.Dataset.from_dict({name: [row[name] for row in rows] for name in FEATURES}, features=FEATURES)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
-        with _progress_bars():
-            dataset.save_to_disk(str(staging))
-        try:
-            staging.rename(path)
-        except OSError:
-            if not path.exists():
-                raise
-            # Another process finished the same build first; its copy is identical.
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with replacing_dir(path, concurrent=True) as staging, _progress_bars():
+        dataset.save_to_disk(str(staging))
 
 
 def load_cache(path: Path) -> dict[tuple[int, str], list[Example]]:

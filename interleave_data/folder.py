@@ -1,11 +1,10 @@
 """The dataset folder on disk: ``<N>words/{train,val,test}.jsonl`` per stage plus ``stats.json``."""
 
 import json
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from interleave_data.atomic import replacing_dir
 from interleave_data.corpus import CorpusError
 from interleave_data.pairs import Example
 
@@ -18,7 +17,7 @@ def split_path(dataset_dir: str | Path, n_words: int, split: str) -> Path:
 def write_dataset(
     output_dir: str | Path, examples: Mapping[tuple[int, str], list[Example]], stats: dict, overwrite: bool = False
 ) -> None:
-    """Writes the dataset folder all at once: into a temporary folder next to it, renamed into place at the end.
+    """Writes the dataset folder all at once: into a temporary folder next to it, swapped in at the end.
 
     Args:
         output_dir: Target folder; created if missing.
@@ -34,24 +33,12 @@ def write_dataset(
         raise CorpusError(f"{target}: output path exists and is not a folder")
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise CorpusError(f"{target}: output folder is not empty; pass --overwrite to replace its contents")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    staging.chmod(0o755)  # mkdtemp makes it private; the dataset is meant to be shared
-    try:
+    with replacing_dir(target, lambda folder: overwrite) as staging:
         for (n_words, split), rows in sorted(examples.items()):
             path = split_path(staging, n_words, split)
             path.parent.mkdir(exist_ok=True)
             path.write_text("".join(_json_line(example.to_dict()) for example in rows), encoding="utf-8")
         (staging / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            target.rename(old / target.name)
-            staging.rename(target)
-            shutil.rmtree(old)
-        else:
-            staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def read_split(dataset_dir: str | Path, n_words: int, split: str) -> list[Example]:

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from interleave_model.atomic import replacing
+from interleave_data.atomic import replacing
 from interleave_model.policy import PolicyError, is_peft
 
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from interleave_model.atomic import replacing_dir
+from interleave_data.atomic import replacing_dir
 from interleave_model.policy import TINY, is_peft
 
 BASE_MODEL_DIR = "base_model"

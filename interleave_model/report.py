@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from interleave_model.atomic import replacing
+from interleave_data.atomic import replacing
 
 # Column headers of the Markdown table, in order; measures not listed here follow under their own names.
 COLUMNS = {

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
-from interleave_model.atomic import replacing
+from interleave_data.atomic import replacing
 from interleave_model.report import build_report, curve_figure, save_figure, write_report
 from interleave_model.runs import run_dir
 

@@ -8,7 +8,7 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_model import grpo
-from interleave_model.atomic import replacing_dir
+from interleave_data.atomic import replacing_dir
 from interleave_model.export import BASE_MODEL_DIR, export
 from interleave_model.logprobs import completion_logits
 from interleave_model.policy import LoraSettings
