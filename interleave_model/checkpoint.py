@@ -91,13 +91,7 @@ def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
         raise PolicyError(f"model.init_from: {path} does not exist")
     if path.is_file():
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        weights = {k.removeprefix("policy."): v for k, v in checkpoint["state_dict"].items() if k.startswith("policy.")}
-        if BASE_OMITTED not in checkpoint:
-            _load(policy, weights, path)
-            return
-        # a LoRA run on a base from disk: the checkpoint holds the adapter; this policy loaded the base itself
-        check_weight_keys(policy, set(weights), f"model.init_from: {path}")
-        policy.load_state_dict(weights, strict=False)
+        load_checkpoint_weights(policy, checkpoint, f"model.init_from: {path}", prefix="policy.")
     elif (path / "adapter_config.json").exists():
         if not is_peft(policy):
             raise PolicyError(f"model.init_from: {path} holds a LoRA adapter; set model.lora to continue training it")
@@ -109,16 +103,39 @@ def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
     elif (path / "config.json").exists():
         base = policy.get_base_model() if is_peft(policy) else policy
         loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
-        _load(base, loaded.state_dict(), path)
+        _load(base, loaded.state_dict(), f"model.init_from: {path}")
     else:
         raise PolicyError(f"model.init_from: {path} is neither a .ckpt file nor a saved model or adapter folder")
 
 
-def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
+def load_checkpoint_weights(model: torch.nn.Module, checkpoint: dict, source: str, prefix: str = "") -> None:
+    """Load the weights under `prefix` of a Lightning checkpoint into `model` in place.
+
+    Every key must fit. A checkpoint whose frozen base was left out (`BASE_OMITTED`: a LoRA run on a base from disk)
+    must still hold every trainable weight (`check_weight_keys`); `model` keeps the base it loaded itself.
+
+    Args:
+        model: The module (`prefix=""`) or its policy (`prefix="policy."`).
+        checkpoint: The loaded checkpoint.
+        source: Names the checkpoint in errors.
+        prefix: Only the keys under it are read, with it removed.
+
+    Raises:
+        PolicyError: When the weights do not fit `model`.
+    """
+    weights = {k.removeprefix(prefix): v for k, v in checkpoint["state_dict"].items() if k.startswith(prefix)}
+    if BASE_OMITTED not in checkpoint:
+        _load(model, weights, source)
+        return
+    check_weight_keys(model, set(weights), source)
+    model.load_state_dict(weights, strict=False)
+
+
+def _load(model: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as err:
-        raise PolicyError(f"model.init_from: weights in {source} do not fit this model: {err}") from err
+        raise PolicyError(f"{source}: weights do not fit this model: {err}") from err
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -28,6 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from interleave_data.atomic import replacing_dir
+from interleave_model.checkpoint import load_checkpoint_weights
 from interleave_model.policy import TINY, is_peft
 
 BASE_MODEL_DIR = "base_model"
@@ -36,13 +37,17 @@ BASE_MODEL_DIR = "base_model"
 def load_weights(module: torch.nn.Module, ckpt_path: str | os.PathLike) -> dict:
     """Load a Lightning checkpoint's weights into `module`; returns the checkpoint.
 
-    Every key must fit; only a LoRA checkpoint may lack the frozen base, which the module loaded from disk.
+    Every key must fit; only a LoRA checkpoint may lack the frozen base, which the module loaded from disk
+    (`checkpoint.load_checkpoint_weights`, as for `--model.init_from`).
 
     The checkpoint is unpickled (it holds the hyperparameters' dataclasses): load only checkpoints you trust.
+
+    Raises:
+        PolicyError: When the weights do not fit `module`.
     """
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     module.on_load_checkpoint(checkpoint)  # creates the frozen reference if the checkpoint has one
-    module.load_state_dict(checkpoint["state_dict"], strict=module.strict_loading)
+    load_checkpoint_weights(module, checkpoint, str(ckpt_path))
     return checkpoint
 
 

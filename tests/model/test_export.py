@@ -7,11 +7,11 @@ import torch
 from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interleave_model import grpo
 from interleave_data.atomic import replacing_dir
-from interleave_model.export import BASE_MODEL_DIR, export
+from interleave_model import grpo
+from interleave_model.export import BASE_MODEL_DIR, export, load_weights
 from interleave_model.logprobs import completion_logits
-from interleave_model.policy import LoraSettings
+from interleave_model.policy import LoraSettings, PolicyError
 
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
 
@@ -148,3 +148,16 @@ def test_a_swap_killed_between_its_renames_is_undone_by_the_next_write(tmp_path)
         raise RuntimeError("failed while writing")
     assert (tmp_path / "out" / "export.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_alike_by_export_and_init_from(make_module, tmp_path):
+    weights = {f"policy.{k}": v for k, v in make_module().policy.state_dict().items()}
+    dropped = next(k for k in weights if "q_proj" in k)
+    torch.save({"state_dict": {k: v for k, v in weights.items() if k != dropped}}, tmp_path / "a.ckpt")
+
+    with pytest.raises(PolicyError, match=r"(?s)a\.ckpt: weights do not fit this model: .*Missing key"):
+        load_weights(make_module(), tmp_path / "a.ckpt")
+    with pytest.raises(
+        PolicyError, match=r"(?s)model.init_from: .*a\.ckpt: weights do not fit this model: .*Missing key"
+    ):
+        make_module(init_from=str(tmp_path / "a.ckpt"))
