@@ -8,9 +8,8 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_data.atomic import replacing_dir
-from interleave_model import grpo
 from interleave_model.export import BASE_MODEL_DIR, export, load_weights
-from interleave_model.logprobs import completion_logits
+from interleave_model.logprobs import completion_logits, token_logprobs
 from interleave_model.policy import LoraSettings, PolicyError
 
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
@@ -22,7 +21,7 @@ def _logprobs(model, tokenizer) -> torch.Tensor:
     ids, mask = encoded["input_ids"], encoded["attention_mask"]  # [B, L] left-padded
     with torch.no_grad():
         logits = completion_logits(model.eval(), ids, mask, width=ids.shape[1] - 1)  # [B, L-1, V]
-        return grpo.token_logprobs(logits, ids[:, 1:], temperature=1.0) * mask[:, 1:]
+        return token_logprobs(logits, ids[:, 1:], temperature=1.0) * mask[:, 1:]
 
 
 def _check_tokenizer(module, out):

@@ -12,10 +12,9 @@ from interleave_model.grpo import (
     masked_mean,
     policy_loss,
     sft_loss,
-    token_entropy,
-    token_logprobs,
     zero_std_groups,
 )
+from interleave_model.logprobs import token_entropy, token_logprobs
 
 LN2 = math.log(2)
 

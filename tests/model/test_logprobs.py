@@ -6,8 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from interleave_model import grpo
-from interleave_model.logprobs import completion_logits, completion_logprobs, fused_head
+from interleave_model.logprobs import completion_logits, completion_logprobs, fused_head, token_entropy, token_logprobs
 from interleave_model.policy import LoraSettings, apply_lora
 
 FUSED = {"llama3": True, "qwen2": True, "gpt2": False}  # GPT-2 is not on the list of plain heads: logits path
@@ -34,6 +33,6 @@ def test_fused_head_gives_the_logits_path_values(family, lora):
 
     logits = completion_logits(model, input_ids, attention_mask, width=4)  # [N, C, V]
     keep = attention_mask[:, -4:].bool()  # [N, C]
-    expected = grpo.token_logprobs(logits, completion, 0.7)  # [N, C]
+    expected = token_logprobs(logits, completion, 0.7)  # [N, C]
     torch.testing.assert_close(logprobs[keep], expected[keep], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(entropy[keep], grpo.token_entropy(logits, 0.7)[keep], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(entropy[keep], token_entropy(logits, 0.7)[keep], rtol=1e-5, atol=1e-4)

@@ -13,8 +13,13 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from interleave_model.grpo import head_token_logprobs, token_entropy, token_logprobs
-from interleave_model.logprobs import completion_logprobs, fused_head
+from interleave_model.logprobs import (
+    completion_logprobs,
+    fused_head,
+    head_token_logprobs,
+    token_entropy,
+    token_logprobs,
+)
 from interleave_model.policy import LoraSettings, TinyModelConfig, apply_lora
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import _draw, _uniform, sample, token_budget
@@ -118,7 +123,7 @@ def memory_plan(model) -> dict[str, float]:
     )
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * BF16
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    chunk_rows = 2**26 // config.vocab_size  # grpo.head_token_logprobs's default chunk on an accelerator
+    chunk_rows = 2**26 // config.vocab_size  # logprobs.head_token_logprobs's default chunk on an accelerator
     return {
         "weights_bf16": sum(p.numel() for p in model.parameters() if not p.requires_grad) * BF16 / GIB,
         "lora_weights_grads_adam_fp32": trainable * (4 + 4 + 8) / GIB,
