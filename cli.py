@@ -11,10 +11,11 @@ import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot
 # isort: split
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_model.compat import CompatCLI
 from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.export import export, load_weights
 from interleave_model.module import InterleaveGRPO
@@ -66,7 +67,7 @@ class InterleaveTrainer(Trainer):
         print("\n".join(report(model.to(self.strategy.root_device), datamodule)))
 
 
-class InterleaveCLI(LightningCLI):
+class InterleaveCLI(CompatCLI):
     """LightningCLI with the data settings the model also needs linked, so they are written once."""
 
     @staticmethod
@@ -78,46 +79,34 @@ class InterleaveCLI(LightningCLI):
             for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
                 self.config.check.trainer[key] = value
 
-    def _parse_ckpt_path(self) -> None:
-        """Place the run, then build the model from the checkpoint's hyperparameters, except the evaluation settings.
+    def before_checkpoint_hparams(self, subcommand: str) -> None:
+        """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`), and a
+        `fit` that continues a run of this config writes on into it, config included."""
+        continued = place_run(self.config[subcommand], subcommand)
+        if continued is not None:
+            self.save_config_kwargs["config_filename"] = config_filename(continued)
 
-        The run's folder comes first (`interleave_model.runs`): it resolves `--ckpt_path last` to a file, whose
-        hyperparameters are then read as those of any checkpoint named by its path.
+    def checkpoint_hparams(self, hparams: dict) -> dict:
+        """The checkpoint's hyperparameters build the model, except the evaluation settings.
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
         pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.eval_num_samples 8` would silently
         evaluate with the training run's settings. How to evaluate belongs to this run: those keys keep its values.
         """
-        subcommand = self.config.get("subcommand")
-        if subcommand:
-            self._place_run(subcommand)
-        model = self.config[subcommand]["model"] if subcommand else {}
-        keep = {key: model[key] for key in EVALUATION_KEYS if key in model}
-        super()._parse_ckpt_path()
-        for key, value in keep.items():
-            self.config[subcommand]["model"][key] = value
+        return {key: value for key, value in super().checkpoint_hparams(hparams).items() if key not in EVALUATION_KEYS}
 
-    def _place_run(self, subcommand: str) -> None:
-        """One folder per run: a `fit` that continues a run of this config writes on into it, config included."""
-        continued = place_run(self.config[subcommand], subcommand)
-        if continued is not None:
-            self.save_config_kwargs["config_filename"] = config_filename(continued)
-
-    def _instantiate_trainer(self, config: dict, callbacks: list[Callback]) -> Trainer:
+    def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
         """The step progress bar unless the config turns bars off or names its own; always the console summary, last."""
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         bar_wanted = config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
         if bar_wanted and not any(isinstance(c, ProgressBar) for c in given + callbacks):
             callbacks = [*callbacks, StepProgressBar()]
-        return super()._instantiate_trainer(config, [*callbacks, ConsoleSummary()])
+        return [*callbacks, ConsoleSummary()]
 
-    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs) -> LightningArgumentParser:
-        """Lightning's subcommand parser; `validate` and `test` default to `verbose: false`."""
-        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
-        if subcommand in ("validate", "test"):
-            parser.set_defaults(verbose=False)  # the console summary replaces Lightning's table of every metric
-        return parser
+    def subcommand_defaults(self, subcommand: str) -> dict:
+        """`validate` and `test` default to `verbose: false`: the console summary replaces Lightning's metric table."""
+        return {"verbose": False} if subcommand in ("validate", "test") else {}
 
     def add_arguments_to_parser(self, parser) -> None:
         # the tiny model's tokenizer is built from the same corpus and template the data uses

@@ -106,6 +106,7 @@ def corpus_fingerprint(sources: Sequence[str] | None = None) -> str:
 
             digest.update(json.dumps(topics, sort_keys=True).encode())
         elif kind == "hub":
+            # private Dataset._fingerprint (datasets 5.2): the content hash `datasets` keeps; no public accessor
             digest.update(_load_hub(source)._fingerprint.encode())
         else:
             path = Path(source)

@@ -16,13 +16,13 @@ from pathlib import Path
 import datasets
 import lightning as L
 import transformers
-from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
 from interleave_model import runs
 from interleave_model.callbacks import CurriculumCallback
+from interleave_model.compat import CompatRichProgressBar
 from interleave_model.writers import EvaluationReport
 
 # Python warnings filtered in quiet mode (regular expressions matched against the start of the message).
@@ -92,14 +92,14 @@ def _is_quiet_filter(entry: tuple) -> bool:
     return action == "ignore" and message is not None and message.pattern in QUIET_WARNINGS
 
 
-class StepProgressBar(RichProgressBar):
+class StepProgressBar(CompatRichProgressBar):
     """Lightning's rich progress bar without the epoch count a run bounded by steps does not have (`Epoch 0/-2`)."""
 
     @override
-    def _get_train_description(self, current_epoch: int) -> str:
+    def train_description(self, current_epoch: int) -> str:
         if self.trainer.max_epochs is None or self.trainer.max_epochs < 0:
             return f"{'Training':{len(self.validation_description)}}"
-        return super()._get_train_description(current_epoch)
+        return super().train_description(current_epoch)
 
     @property
     @override

@@ -54,12 +54,9 @@ def shield_broken_addons() -> list[str]:
         sys.meta_path.insert(0, _HIDDEN)
         if "transformers" in sys.modules:
             # transformers caches what it found installed; a cache filled before the shield still says "available"
-            from transformers.utils import import_utils
+            from interleave_model.compat import forget_transformers_availability  # imports Lightning: only now
 
-            for name in _HIDDEN.names:
-                cached = getattr(import_utils, f"is_{name}_available", None)
-                if hasattr(cached, "cache_clear"):
-                    cached.cache_clear()
+            forget_transformers_availability(_HIDDEN.names)
     return sorted(_HIDDEN.names)
 
 

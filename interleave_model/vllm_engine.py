@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from interleave_model.compat import inspect_vllm_models_in_process
 from interleave_model.policy import is_peft
 from interleave_model.rollout import Rollout, completion_texts
 from interleave_model.shield import shield_broken_addons
@@ -72,10 +73,9 @@ def import_vllm():
     """
     hidden = shield_broken_addons()
     import vllm
-    import vllm.model_executor.models.registry as registry
 
     if hidden:
-        registry._run_in_subprocess = lambda fn: fn()
+        inspect_vllm_models_in_process()
     return vllm
 
 

@@ -1,0 +1,111 @@
+"""Every use of a private (underscore) API of Lightning, transformers and vLLM, in one place.
+
+Each use says what it needs and the version it was tested with, so an upgrade that breaks one breaks here. The rest
+of the package uses the public hooks these define. (One more lives in `interleave_data/corpus.py`, which cannot
+import this package: `datasets.Dataset._fingerprint`.)
+
+This module imports Lightning, so `shield.py`, which must run before Lightning is imported, imports it only late.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning import Callback, Trainer
+from lightning.pytorch.callbacks import RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
+
+
+class CompatCLI(LightningCLI):
+    """LightningCLI whose private steps call public hooks, which a subclass overrides instead of the private steps."""
+
+    def before_checkpoint_hparams(self, subcommand: str) -> None:
+        """Called once a subcommand is parsed, before `ckpt_path`'s hyperparameters are read (e.g. to resolve it)."""
+
+    def checkpoint_hparams(self, hparams: dict[str, Any]) -> dict[str, Any]:
+        """The model hyperparameters of the `ckpt_path` checkpoint, as they will update the parsed config.
+
+        Override to migrate an older checkpoint's hyperparameters or to keep some config values; default: as saved.
+        """
+        return hparams
+
+    def trainer_callbacks(self, config: dict[str, Any], callbacks: list[Callback]) -> list[Callback]:
+        """The callbacks the CLI adds to the trainer's configured ones (`config["callbacks"]`); default: as given."""
+        return callbacks
+
+    def subcommand_defaults(self, subcommand: str) -> dict[str, Any]:
+        """Defaults for the arguments of `subcommand`'s trainer method (e.g. `validate`'s `verbose`); default: none."""
+        return {}
+
+    # Re-implements LightningCLI._parse_ckpt_path (lightning 2.6.6) with the two hooks above around its reading.
+    @override
+    def _parse_ckpt_path(self) -> None:
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        self.before_checkpoint_hparams(subcommand)
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return
+        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams.pop("_instantiator", None)
+        hparams = self.checkpoint_hparams(hparams)
+        if not hparams:
+            return
+        if "_class_path" in hparams:
+            hparams = {"class_path": hparams.pop("_class_path"), "dict_kwargs": hparams}
+        try:
+            self.config = self.parser.parse_object({subcommand: {"model": hparams}}, self.config)
+        except SystemExit:
+            sys.stderr.write("Parsing of ckpt_path hyperparameters failed!\n")
+            raise
+
+    # LightningCLI._instantiate_trainer (lightning 2.6.6) is where the CLI's own callbacks join the configured ones.
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        return super()._instantiate_trainer(config, self.trainer_callbacks(config, callbacks))
+
+    # LightningCLI._prepare_subcommand_parser (lightning 2.6.6) builds the parser of one subcommand's arguments.
+    @override
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        defaults = self.subcommand_defaults(subcommand)
+        if defaults:
+            parser.set_defaults(**defaults)
+        return parser
+
+
+class CompatRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar whose training description a subclass sets through `train_description`."""
+
+    def train_description(self, current_epoch: int) -> str:
+        """The text before the training bar; Lightning's `Epoch n/m` by default."""
+        return super()._get_train_description(current_epoch)
+
+    # RichProgressBar._get_train_description (lightning 2.6.6) is the only way to change the training bar's text.
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        return self.train_description(current_epoch)
+
+
+def inspect_vllm_models_in_process() -> None:
+    """Have vLLM inspect model classes in this process, not in a fresh interpreter (see `vllm_engine.import_vllm`)."""
+    import vllm.model_executor.models.registry as registry
+
+    # registry._run_in_subprocess (vllm 0.32.0) runs the inspection in a child process unless replaced
+    registry._run_in_subprocess = lambda fn: fn()
+
+
+def forget_transformers_availability(names: set[str]) -> None:
+    """Make transformers look again for the packages `names`: its `is_<name>_available` results are cached."""
+    from transformers.utils import import_utils
+
+    for name in names:
+        # the lru_cache behind import_utils.is_<name>_available (transformers 5.19); no cache, nothing to forget
+        cached = getattr(import_utils, f"is_{name}_available", None)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
