@@ -80,8 +80,10 @@ class InterleaveCLI(CompatCLI):
                 self.config.check.trainer[key] = value
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
-        """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`), and a
-        `fit` that continues a run of this config writes on into it, config included."""
+        """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`).
+
+        A `fit` that continues a run of this config writes on into it, config included.
+        """
         continued = place_run(self.config[subcommand], subcommand)
         if continued is not None:
             self.save_config_kwargs["config_filename"] = config_filename(continued)
