@@ -8,7 +8,7 @@ import random
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import lightning as L
 import torch
@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from interleave_data.corpus import load_corpus
+from interleave_data.datamodule import batches_run
 from interleave_data.prompts import format_prompt
 from interleave_model import grpo
 from interleave_model.alignment import align
@@ -38,6 +39,7 @@ from interleave_model.policy import (
     zero_dropout,
 )
 from interleave_model.preflight import preflight
+from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.schedule import LrSchedule, lr_factor
@@ -49,34 +51,6 @@ warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual opt
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
 torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings])
-
-
-class Trajectory(NamedTuple):
-    """Everything the update needs from one rollout, group-major over P prompts x G completions."""
-
-    input_ids: Tensor  # [P*G, Lp+C] prompt then completion
-    attention_mask: Tensor  # [P*G, Lp+C]
-    completion_ids: Tensor  # [P*G, C]
-    completion_mask: Tensor  # [P*G, C]
-    old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
-    ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
-    rewards: Tensor  # [P*G]
-    advantages: Tensor  # [P*G]
-    rollout: Rollout
-
-
-class StepRecord(NamedTuple):
-    """What a GRPO step hands to callbacks, as `outputs["record"]` of `on_train_batch_end`; group-major.
-
-    Describes the batch as drawn, before any dynamic-sampling refill, so callbacks see collapse as it happens.
-    """
-
-    prompts: list[str]  # [P]
-    targets: list[str]  # [P]
-    n_words: list[int]  # [P]
-    completions: list[str]  # [P*G]
-    rewards: Tensor  # [P*G]
-    num_generations: int
 
 
 class InterleaveGRPO(L.LightningModule):
@@ -261,7 +235,10 @@ class InterleaveGRPO(L.LightningModule):
             roll, G = trajectory.rollout, self.hparams.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
             if self.hparams.dynamic_sampling is not None:
-                trajectory, counts = refill(self, batch, trajectory)
+                trajectory, counts = refill(
+                    trajectory, lambda extra: self.generate_trajectory(extra)[0], self._refill_draw(batch), G,
+                    self.hparams.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id,
+                )  # fmt: skip
                 stats |= counts
             if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
                 trajectory = trajectory._replace(advantages=self._batch_scaled_advantages(trajectory.rewards))
@@ -469,6 +446,17 @@ class InterleaveGRPO(L.LightningModule):
         if self.training:
             engine.sleep()  # the update gets the engine's KV memory (sleep mode on a GPU)
         return roll
+
+    def _refill_draw(self, batch: dict):
+        """`draw(round, n)` for dynamic sampling: extra prompts of the batch's (longest) stage, seeded by the index of
+        the batch in the training stream and the round, so a resumed run draws the same ones."""
+        trainer, k, n_words = self.trainer, batches_run(self.trainer), max(batch["n_words"])
+
+        def draw(round_: int, n: int) -> dict:
+            extra = trainer.datamodule.sample_refill(k, round_, n, n_words, trainer.global_rank)
+            return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
+
+        return draw
 
     def _importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
         """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
