@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 import time
 import warnings
-from collections.abc import Iterator
 from typing import Literal
 
 import lightning as L
@@ -15,9 +13,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from interleave_data.corpus import load_corpus
 from interleave_data.datamodule import batches_run
-from interleave_data.prompts import format_prompt
 from interleave_model import grpo
 from interleave_model.alignment import align
 from interleave_model.checkpoint import BASE_OMITTED, check_weight_keys, frozen_weight_keys, load_initial_weights
@@ -29,14 +25,13 @@ from interleave_model.policy import (
     TINY,
     LoraSettings,
     TinyModelConfig,
-    apply_lora,
-    build_tiny_model,
-    build_tiny_tokenizer,
+    as_reference,
+    base_from_disk,
+    build_policy,
+    eval_mode,
     frozen_copy,
     is_peft,
-    load_pretrained,
-    stop_token_ids,
-    zero_dropout,
+    prepare_for_training,
 )
 from interleave_model.preflight import preflight
 from interleave_model.records import StepRecord, Trajectory
@@ -178,17 +173,12 @@ class InterleaveGRPO(L.LightningModule):
         # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
         tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
         lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
-        self.policy, self.tokenizer = self._load_policy(tiny)
-        self.stop_ids = stop_token_ids(self.policy, self.tokenizer)
-        if lora is not None:
-            self.policy = apply_lora(self.policy, lora)
+        self.policy, self.tokenizer, self.stop_ids = build_policy(
+            model_name_or_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
+        )
         if init_from is not None:
             load_initial_weights(self.policy, init_from)
-        if disable_dropout:
-            zero_dropout(self.policy)
-        if gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.policy.enable_input_require_grads()
+        prepare_for_training(self.policy, disable_dropout, gradient_checkpointing)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
         self.metrics = torch.nn.ModuleDict()  # length -> AlignmentScore of greedy answers
@@ -199,15 +189,7 @@ class InterleaveGRPO(L.LightningModule):
         self._engine: VllmEngine | None = None  # built at the first rollout when rollout_engine is "vllm"
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
-        self.strict_loading = not self._base_from_disk()
-
-    def _load_policy(self, tiny: TinyModelConfig):
-        hp = self.hparams
-        if hp.model_name_or_path != TINY:
-            return load_pretrained(hp.model_name_or_path, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
-        texts = [t.words for t in load_corpus(hp.corpus).texts]
-        tokenizer = build_tiny_tokenizer(texts, extra_words=format_prompt("", "", hp.template).split())
-        return build_tiny_model(tokenizer, tiny, seed=hp.seed), tokenizer
+        self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -300,7 +282,7 @@ class InterleaveGRPO(L.LightningModule):
         if self.device.type == "cuda":
             checkpoint["cuda_rng"] = torch.cuda.get_rng_state(self.device)
         checkpoint["skipped_steps"] = self.skipped_steps
-        if self._base_from_disk():
+        if base_from_disk(self.policy, self.hparams.model_name_or_path):
             omitted = frozen_weight_keys(self.policy, prefix="policy.")
             checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in omitted}
             checkpoint[BASE_OMITTED] = self.hparams.model_name_or_path
@@ -328,7 +310,7 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         G = hp.num_generations
         started = time.perf_counter()
-        with _eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
+        with eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
             roll = self._rollout(batch, G, hp.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
@@ -562,21 +544,12 @@ class InterleaveGRPO(L.LightningModule):
         return torch.cat(chunks)  # [N, C]
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
-        with self._reference() as reference:
-            return self._logprobs(reference, input_ids, attention_mask, completion_ids)
-
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference in eval mode: the policy with its adapter off under LoRA (no second copy), else a snapshot."""
-        if is_peft(self.policy):
-            with self.policy.disable_adapter(), _eval_mode(self.policy):
-                yield self.policy
-            return
-        if self.reference is None:
+        """Log-probs under the reference; without LoRA its frozen copy is taken now, as GRPO starts (after SFT)."""
+        if self.reference is None and not is_peft(self.policy):
             rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
             self.reference = frozen_copy(self.policy)
-        with _eval_mode(self.reference):
-            yield self.reference
+        with as_reference(self.policy, self.reference) as reference:
+            return self._logprobs(reference, input_ids, attention_mask, completion_ids)
 
     def _batch_scaled_advantages(self, rewards: Tensor) -> Tensor:
         """Advantages scaled by the reward std of every rank's batch, as one process holding them all would."""
@@ -647,22 +620,7 @@ class InterleaveGRPO(L.LightningModule):
         step, total = self.global_step - hp.sft_steps, self.trainer.max_steps - hp.sft_steps
         return hp.learning_rate * lr_factor(max(step, 0), hp.warmup_steps, total, hp.lr_schedule)
 
-    def _base_from_disk(self) -> bool:
-        """LoRA on a model that `from_pretrained` loads again: its frozen base need not be in checkpoints."""
-        return is_peft(self.policy) and self.hparams.model_name_or_path != TINY
-
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:
             self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
         return self._rng
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Run a block with `model` in eval mode, then put back the mode it had."""
-    training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(training)

@@ -10,7 +10,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from interleave_model import grpo
-from interleave_model.policy import LoraSettings
+from interleave_model.policy import LoraSettings, as_reference
 from interleave_model.rewards import RewardFunction
 from tests.model.test_rewards import Constant
 
@@ -74,7 +74,7 @@ def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, m
     moved = {k for k, v in base.items() if not torch.equal(v, after[k])}
     assert moved and all("lora_" in k for k in moved)
     assert module.reference is None  # no second copy under LoRA
-    with module._reference() as reference:
+    with as_reference(module.policy, module.reference) as reference:
         assert torch.equal(_logprobs(module, reference, batch), base_logprobs)
     assert not torch.equal(_logprobs(module, module.policy, batch), base_logprobs)
 
