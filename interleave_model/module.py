@@ -36,9 +36,10 @@ from interleave_model.policy import (
 from interleave_model.preflight import preflight
 from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
-from interleave_model.rollout import Rollout, rollout, token_budget
+from interleave_model.rollout import Rollout
+from interleave_model.sampler import Sampler
 from interleave_model.schedule import LrSchedule, lr_factor
-from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
+from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
@@ -186,9 +187,13 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
-        self._engine: VllmEngine | None = None  # built at the first rollout when rollout_engine is "vllm"
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
+        path = None if model_name_or_path == TINY else model_name_or_path
+        self.sampler = Sampler(
+            self.policy, self.tokenizer, self.stop_ids, rollout_engine, top_p, top_k, max_new_tokens, budget_margin,
+            path, vllm, seed,
+        )  # fmt: skip
         self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
 
     # ---------------------------------------------------------------- Lightning hooks
@@ -298,8 +303,7 @@ class InterleaveGRPO(L.LightningModule):
         if "cuda_rng" in checkpoint and self.device.type == "cuda":
             torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
         self.skipped_steps = checkpoint.get("skipped_steps", 0)
-        if self._engine is not None:
-            self._engine.version = None  # the loaded weights reach the engine before its next rollout
+        self.sampler.weights_loaded()
         if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
             self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after
 
@@ -377,7 +381,8 @@ class InterleaveGRPO(L.LightningModule):
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
                 loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
-                num_tokens=num_tokens, importance_weights=self._importance_weights(trajectory.rollout, old, rows),
+                num_tokens=num_tokens,
+                importance_weights=self.sampler.importance_weights(trajectory.rollout, old, rows),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
@@ -415,19 +420,10 @@ class InterleaveGRPO(L.LightningModule):
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
-        """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k."""
-        kwargs = {"num_generations": num_generations, "max_new_tokens": self._budget(batch["targets"]),
-                  "temperature": temperature, "top_p": self.hparams.top_p, "top_k": self.hparams.top_k,
-                  "generator": generator}  # fmt: skip
-        if self.hparams.rollout_engine == "own":
-            return rollout(
-                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
-            )
-        engine = self._vllm_engine()
-        roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
-        if self.training:
-            engine.sleep()  # the update gets the engine's KV memory (sleep mode on a GPU)
-        return roll
+        # every optimizer step moves global_step, so a new step means new weights for the engine; while training,
+        # the update gets the engine's KV memory after sampling
+        version, rank, sleep = self.global_step, self.global_rank, self.training
+        return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
 
     def _refill_draw(self, batch: dict):
         """`draw(round, n)` for dynamic sampling: extra prompts of the batch's (longest) stage, seeded by the index of
@@ -439,24 +435,6 @@ class InterleaveGRPO(L.LightningModule):
             return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
 
         return draw
-
-    def _importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
-        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
-        settings = self._engine.settings if self._engine is not None else None
-        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
-            return None
-        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
-
-    def _vllm_engine(self) -> VllmEngine:
-        """The colocated engine, built at the first rollout, serving the policy's weights of this step."""
-        hp = self.hparams
-        if self._engine is None:
-            path = None if hp.model_name_or_path == TINY else hp.model_name_or_path
-            seed = hp.seed + self.global_rank
-            self._engine = VllmEngine(self.policy, self.tokenizer, path, self.stop_ids, hp.vllm, seed=seed)
-        # every optimizer step moves global_step, so a new step means new weights
-        self._engine.serve(self.policy, version=self.global_step)
-        return self._engine
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
         """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""
@@ -506,20 +484,6 @@ class InterleaveGRPO(L.LightningModule):
                     # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
                     self.log(f"{prefix}/{name}_{row['n_words']}w", value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
-
-    def _budget(self, targets: list[str]) -> int:
-        """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
-        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
-        needed = max(lengths) + 1  # + EOS
-        fixed = self.hparams.max_new_tokens
-        if fixed is not None:
-            if fixed < needed:
-                raise ValueError(
-                    f"model.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
-                    "raise it or leave it null to size the budget from the targets"
-                )
-            return fixed
-        return token_budget(lengths, margin=self.hparams.budget_margin)
 
     def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
         """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens."""
