@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 import time
 import warnings
 from typing import Literal
@@ -15,12 +14,17 @@ from torch import Tensor
 
 from interleave_data.datamodule import batches_run
 from interleave_model import grpo
-from interleave_model.alignment import align
 from interleave_model.checkpoint import BASE_OMITTED, check_weight_keys, frozen_weight_keys, load_initial_weights
 from interleave_model.dynamic_sampling import DynamicSampling, refill
-from interleave_model.evaluation import SampledAnswers, length_row, resolve_pass_k
+from interleave_model.evaluation import (
+    eval_seed,
+    length_rows,
+    logged_values,
+    prediction_records,
+    resolve_pass_k,
+    score_batch,
+)
 from interleave_model.logprobs import completion_logits, completion_logprobs
-from interleave_model.metric import AlignmentScore
 from interleave_model.policy import (
     TINY,
     LoraSettings,
@@ -251,34 +255,7 @@ class InterleaveGRPO(L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
         groups = self._sampled(batch, batch_idx) if self.hparams.eval_num_samples else None
-        records = []
-        for i, text in enumerate(self.greedy(batch)):
-            target = batch["targets"][i]
-            diagnostics = align(text, target)
-            record = {
-                "id": batch["ids"][i],
-                "n_words": batch["n_words"][i],
-                "prompt": batch["prompts"][i],
-                "target": target,
-                "completion": text,
-                "score": diagnostics.score,
-                "exact_match": diagnostics.distance == 0,
-                "distance": diagnostics.distance,
-                "first_error": diagnostics.first_error,
-                "relative_first_error": diagnostics.relative_first_error,
-                "a_accuracy": diagnostics.a_accuracy,
-                "b_accuracy": diagnostics.b_accuracy,
-                "substitutions": diagnostics.substitutions,
-                "insertions": diagnostics.insertions,
-                "deletions": diagnostics.deletions,
-                "n_pred": diagnostics.n_pred,
-                "n_target": diagnostics.n_target,
-            }
-            if groups is not None:
-                record["samples"] = groups[i]
-                record["sample_scores"] = [align(answer, target).score for answer in groups[i]]
-            records.append(record)
-        return records
+        return prediction_records(batch, self.greedy(batch), groups)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["sampling_rng"] = self._generator().get_state()
@@ -437,52 +414,27 @@ class InterleaveGRPO(L.LightningModule):
         return draw
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
-        """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""
-        length = str(batch["n_words"][0])
-        if length not in self.metrics:
-            self.metrics[length] = AlignmentScore().to(self.device)
-        self.metrics[length].update(self.greedy(batch), batch["targets"])
-        if self.hparams.eval_num_samples:
-            if length not in self.sample_metrics:
-                metric = SampledAnswers(self.pass_k, threshold=self.hparams.pass_threshold)
-                self.sample_metrics[length] = metric.to(self.device)
-            self.sample_metrics[length].update(self._sampled(batch, batch_idx), batch["targets"])
+        """Greedy answers (then sampled ones, for pass@k) into the length's metrics."""
+        hp, greedy = self.hparams, self.greedy(batch)
+        groups = self._sampled(batch, batch_idx) if hp.eval_num_samples else None
+        score_batch(
+            self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, hp.pass_threshold, self.device
+        )
 
     def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
-        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own.
-
-        The seed depends on the run's seed, the length, the batch and the rank only, so evaluation draws the same
-        answers whenever it runs and never moves the training sampler's stream.
-        """
-        hp = self.hparams
-        n = hp.eval_num_samples
-        seed = random.Random(f"{hp.seed}:eval:{batch['n_words'][0]}:{batch_idx}:{self.global_rank}").getrandbits(63)
+        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own (`eval_seed`)."""
+        n = self.hparams.eval_num_samples
+        seed = eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        texts = self._rollout(batch, n, hp.eval_temperature, generator).texts
+        texts = self._rollout(batch, n, self.hparams.eval_temperature, generator).texts
         return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
-        """Log every measure per length as `{prefix}/{name}_{n}w` and keep the table in `eval_results`.
-
-        Every rank runs this: the pair counts are reduced and the metrics synced, so all ranks log the same values.
-        """
-        rows = []
-        for length in sorted(self.metrics, key=int):
-            greedy = self.metrics[length]
-            pairs = int(self.trainer.strategy.reduce(greedy.pairs.clone(), reduce_op="sum").item())
-            sampled = self.sample_metrics[length] if length in self.sample_metrics else None
-            if pairs:
-                values = sampled.compute_all() if sampled is not None else None
-                rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
-            greedy.reset()
-            if sampled is not None:
-                sampled.reset()
-        for row in rows:
-            for name, value in row.items():
-                if name not in ("n_words", "pairs") and not math.isnan(value):
-                    name = "alignment" if name == "score" else name
-                    # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
-                    self.log(f"{prefix}/{name}_{row['n_words']}w", value, batch_size=1, sync_dist=True)
+        """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
+        rows = length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
+        for name, value in logged_values(rows, prefix).items():
+            # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
+            self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
