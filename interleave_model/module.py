@@ -14,7 +14,7 @@ from torch import Tensor
 
 from interleave_data.datamodule import batches_run
 from interleave_model import grpo
-from interleave_model.checkpoint import BASE_OMITTED, check_weight_keys, frozen_weight_keys, load_initial_weights
+from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
 from interleave_model.evaluation import (
     eval_seed,
@@ -258,31 +258,14 @@ class InterleaveGRPO(L.LightningModule):
         return prediction_records(batch, self.greedy(batch), groups)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["sampling_rng"] = self._generator().get_state()
-        # the global RNG draws LoRA's dropout masks; with it a resumed run continues them exactly
-        checkpoint["torch_rng"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            checkpoint["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        checkpoint["skipped_steps"] = self.skipped_steps
-        if base_from_disk(self.policy, self.hparams.model_name_or_path):
-            omitted = frozen_weight_keys(self.policy, prefix="policy.")
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in omitted}
-            checkpoint[BASE_OMITTED] = self.hparams.model_name_or_path
+        rng, path = self._generator(), self.hparams.model_name_or_path
+        save_run_state(checkpoint, self.policy, path, rng, self.device, self.skipped_steps)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if BASE_OMITTED in checkpoint:
-            source = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
-            check_weight_keys(self.policy, set(checkpoint["state_dict"]), source, prefix="policy.")
-        if "sampling_rng" in checkpoint:
-            self._generator().set_state(checkpoint["sampling_rng"])
-        if "torch_rng" in checkpoint:
-            torch.set_rng_state(checkpoint["torch_rng"])
-        if "cuda_rng" in checkpoint and self.device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
-        self.skipped_steps = checkpoint.get("skipped_steps", 0)
+        self.skipped_steps, self.reference = restore_run_state(
+            checkpoint, self.policy, self.reference, self._generator, self.device
+        )
         self.sampler.weights_loaded()
-        if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
-            self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after
 
     # ---------------------------------------------------------------- the algorithm
 
