@@ -24,7 +24,7 @@ from interleave_model.evaluation import (
     resolve_pass_k,
     score_batch,
 )
-from interleave_model.logprobs import completion_logits, completion_logprobs
+from interleave_model.logprobs import completion_logits, completion_logprobs, sft_inputs
 from interleave_model.policy import (
     TINY,
     LoraSettings,
@@ -38,11 +38,12 @@ from interleave_model.policy import (
     prepare_for_training,
 )
 from interleave_model.preflight import preflight
+from interleave_model.ranks import batch_scaled_advantages
 from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
-from interleave_model.schedule import LrSchedule, lr_factor
+from interleave_model.schedule import LrSchedule, phase_learning_rate
 from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -232,7 +233,10 @@ class InterleaveGRPO(L.LightningModule):
                 )  # fmt: skip
                 stats |= counts
             if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
-                trajectory = trajectory._replace(advantages=self._batch_scaled_advantages(trajectory.rewards))
+                advantages = batch_scaled_advantages(
+                    trajectory.rewards, G, self.hparams.advantage_estimator, self._sum_over_ranks
+                )
+                trajectory = trajectory._replace(advantages=advantages)
             for _ in range(self.hparams.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
@@ -362,7 +366,7 @@ class InterleaveGRPO(L.LightningModule):
     def sft_step(self, batch: dict) -> dict[str, float]:
         """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
         started = time.perf_counter()
-        input_ids, attention_mask, labels = self._sft_inputs(batch)  # [B, Lp+T] each
+        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
         optimizer = self.optimizers()
         optimizer.zero_grad()
         logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
@@ -420,21 +424,6 @@ class InterleaveGRPO(L.LightningModule):
             self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
-    def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        answers = [ids + [eos] for ids in self.tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
-        width = max(len(a) for a in answers)
-        answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
-        labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]
-        for i, answer in enumerate(answers):
-            answer_ids[i, : len(answer)] = torch.tensor(answer)
-            labels[i, : len(answer)] = torch.tensor(answer)
-        answer_ids, labels = answer_ids.to(self.device), labels.to(self.device)
-        input_ids = torch.cat([batch["prompt_ids"], answer_ids], dim=1)  # [B, Lp+T]
-        attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
-        return input_ids, attention_mask, labels
-
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         temperature, chunks = self.hparams.temperature, []
         for rows in self._row_chunks(input_ids.shape[0]):
@@ -449,15 +438,6 @@ class InterleaveGRPO(L.LightningModule):
             self.reference = frozen_copy(self.policy)
         with as_reference(self.policy, self.reference) as reference:
             return self._logprobs(reference, input_ids, attention_mask, completion_ids)
-
-    def _batch_scaled_advantages(self, rewards: Tensor) -> Tensor:
-        """Advantages scaled by the reward std of every rank's batch, as one process holding them all would."""
-        count = self._sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
-        mean = self._sum_over_ranks(rewards.sum()) / count
-        squares = self._sum_over_ranks((rewards - mean).pow(2).sum())
-        std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
-        hp = self.hparams
-        return grpo.group_advantages(rewards, hp.num_generations, "batch", hp.advantage_estimator, batch_std=std)
 
     def _sum_over_ranks(self, x: Tensor) -> Tensor:
         """The sum of a tensor over all ranks (the tensor itself on one process)."""
@@ -478,7 +458,11 @@ class InterleaveGRPO(L.LightningModule):
             self._skip_step(optimizer)
             optimizer.step()
             return
-        lr = self._learning_rate(phase)
+        hp = self.hparams
+        lr = phase_learning_rate(
+            phase, self.global_step, self.trainer.max_steps, hp.learning_rate, hp.sft_learning_rate, hp.warmup_steps,
+            hp.sft_steps, hp.lr_schedule,
+        )  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -510,14 +494,6 @@ class InterleaveGRPO(L.LightningModule):
         self.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
-
-    def _learning_rate(self, phase: str) -> float:
-        """Each phase has its own schedule: SFT decays over its steps, GRPO warms up again from where SFT ended."""
-        hp = self.hparams
-        if phase == "sft":
-            return hp.sft_learning_rate * lr_factor(self.global_step, hp.warmup_steps, hp.sft_steps, "cosine")
-        step, total = self.global_step - hp.sft_steps, self.trainer.max_steps - hp.sft_steps
-        return hp.learning_rate * lr_factor(max(step, 0), hp.warmup_steps, total, hp.lr_schedule)
 
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:

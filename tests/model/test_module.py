@@ -10,6 +10,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from interleave_model import grpo
+from interleave_model.logprobs import sft_inputs
 from interleave_model.policy import LoraSettings, as_reference
 from interleave_model.rewards import RewardFunction
 from tests.model.test_rewards import Constant
@@ -100,7 +101,7 @@ def test_sft_phase_trains_on_target_tokens(make_module, make_datamodule):
     module = make_module(sft_learning_rate=1e-2)
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=4)
     batch = datamodule.collate(datamodule.sample_train_batch(0)[1], "sft")
-    input_ids, attention_mask, labels = module._sft_inputs(batch)
+    input_ids, attention_mask, labels = sft_inputs(module.tokenizer, batch, module.device)
     answer = module.tokenizer(batch["targets"][0], add_special_tokens=False)["input_ids"]
     assert labels[0, : len(answer) + 1].tolist() == answer + [module.tokenizer.eos_token_id]
     assert (labels[0, len(answer) + 1 :] == -100).all()
