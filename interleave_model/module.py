@@ -13,17 +13,9 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from interleave_data.datamodule import batches_run
-from interleave_model import grpo
+from interleave_model import evaluation, grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
-from interleave_model.evaluation import (
-    eval_seed,
-    length_rows,
-    logged_values,
-    prediction_records,
-    resolve_pass_k,
-    score_batch,
-)
 from interleave_model.logprobs import completion_logits, completion_logprobs, sft_inputs
 from interleave_model.policy import (
     TINY,
@@ -39,7 +31,7 @@ from interleave_model.policy import (
 )
 from interleave_model.preflight import preflight
 from interleave_model.ranks import batch_scaled_advantages
-from interleave_model.records import StepRecord, Trajectory
+from interleave_model.records import StepRecord, Trajectory, trajectory_stats
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
@@ -170,7 +162,7 @@ class InterleaveGRPO(L.LightningModule):
                 "model.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
                 "use k3 (or k2)"
             )
-        self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
+        self.pass_k = evaluation.resolve_pass_k(eval_num_samples, pass_k)
         if rollout_engine not in ("own", "vllm"):
             raise ValueError(f"model.rollout_engine must be 'own' or 'vllm', got {rollout_engine!r}")
         self.save_hyperparameters(ignore=["rewards"])
@@ -192,20 +184,19 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
-        # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
-        # are checked in on_load_checkpoint instead)
-        path = None if model_name_or_path == TINY else model_name_or_path
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, top_p, top_k, max_new_tokens, budget_margin,
-            path, vllm, seed,
+            model_name_or_path, vllm, seed,
         )  # fmt: skip
+        # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
+        # are checked in on_load_checkpoint instead)
         self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
 
     # ---------------------------------------------------------------- Lightning hooks
 
     def on_fit_start(self) -> None:
         # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train
-        # mode. The reference too: it runs its own forwards in eval mode (_reference), and Lightning warns otherwise.
+        # mode. The reference too: it runs its own forwards in eval mode (as_reference), and Lightning warns otherwise.
         self.train()
 
     def setup(self, stage: str) -> None:
@@ -259,7 +250,7 @@ class InterleaveGRPO(L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
         groups = self._sampled(batch, batch_idx) if self.hparams.eval_num_samples else None
-        return prediction_records(batch, self.greedy(batch), groups)
+        return evaluation.prediction_records(batch, self.greedy(batch), groups)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
@@ -304,17 +295,7 @@ class InterleaveGRPO(L.LightningModule):
         trajectory = Trajectory(
             input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
         )
-        zero_std = grpo.zero_std_groups(rewards, G)  # [P]
-        stats = {
-            "train/reward_mean": rewards.mean().item(),
-            "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "train/frac_zero_std_groups": zero_std.float().mean().item(),
-            "train/advantage_abs_mean": advantages.abs().mean().item(),
-            "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
-            "train/truncated_frac": roll.truncated.float().mean().item(),
-            "time/rollout_s": rolled - started,
-            "time/reward_s": scored - rolled,
-        }
+        stats = trajectory_stats(trajectory, G) | {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
@@ -404,22 +385,22 @@ class InterleaveGRPO(L.LightningModule):
         """Greedy answers (then sampled ones, for pass@k) into the length's metrics."""
         hp, greedy = self.hparams, self.greedy(batch)
         groups = self._sampled(batch, batch_idx) if hp.eval_num_samples else None
-        score_batch(
+        evaluation.score_batch(
             self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, hp.pass_threshold, self.device
         )
 
     def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
         """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own (`eval_seed`)."""
         n = self.hparams.eval_num_samples
-        seed = eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
+        seed = evaluation.eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
         generator = torch.Generator(device=self.device).manual_seed(seed)
         texts = self._rollout(batch, n, self.hparams.eval_temperature, generator).texts
         return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
         """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
-        rows = length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
-        for name, value in logged_values(rows, prefix).items():
+        rows = evaluation.length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
+        for name, value in evaluation.logged_values(rows, prefix).items():
             # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
             self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}

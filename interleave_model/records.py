@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
+from interleave_model import grpo
 from interleave_model.rollout import Rollout
 
 
@@ -35,3 +36,17 @@ class StepRecord(NamedTuple):
     completions: list[str]  # [P*G]
     rewards: Tensor  # [P*G]
     num_generations: int
+
+
+def trajectory_stats(trajectory: Trajectory, num_generations: int) -> dict[str, float]:
+    """What a step logs of its trajectory: the rewards and their spread, the advantages, the completions' lengths."""
+    rewards, roll = trajectory.rewards, trajectory.rollout  # [P*G]
+    zero_std = grpo.zero_std_groups(rewards, num_generations)  # [P]
+    return {
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "train/frac_zero_std_groups": zero_std.float().mean().item(),
+        "train/advantage_abs_mean": trajectory.advantages.abs().mean().item(),
+        "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
+        "train/truncated_frac": roll.truncated.float().mean().item(),
+    }

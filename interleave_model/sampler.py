@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from interleave_model.policy import TINY
 from interleave_model.rollout import Rollout, rollout, token_budget
 from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
 
@@ -28,7 +29,7 @@ class Sampler:
         top_k: Keep the k most likely tokens; 0 keeps all.
         max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
         budget_margin: Share of the longest target's token length added to the automatic budget.
-        model_path: The folder vLLM loads the model from; None for the tiny model, handed over in memory.
+        model_name_or_path: The folder or hub name vLLM loads the model from; the tiny model is handed over in memory.
         vllm: The vLLM engine's options.
         seed: Seed of the vLLM engine, offset by the rank.
     """
@@ -43,14 +44,15 @@ class Sampler:
         top_k: int = 0,
         max_new_tokens: int | None = None,
         budget_margin: float = 0.25,
-        model_path: str | None = None,
+        model_name_or_path: str = TINY,
         vllm: VllmSettings | None = None,
         seed: int = 0,
     ) -> None:
         self.policy, self.tokenizer, self.stop_ids = policy, tokenizer, stop_ids
         self.kind, self.top_p, self.top_k = engine, top_p, top_k
         self.max_new_tokens, self.budget_margin = max_new_tokens, budget_margin
-        self.model_path, self.vllm, self.seed = model_path, vllm, seed
+        self.model_path = None if model_name_or_path == TINY else model_name_or_path
+        self.vllm, self.seed = vllm, seed
         self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
 
     def rollout(
