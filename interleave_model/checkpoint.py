@@ -7,6 +7,7 @@ included) leaves either the previous complete file or the new complete file, nev
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from interleave_data.atomic import replacing
-from interleave_model.policy import PolicyError, is_peft
+from interleave_model.policy import PolicyError, base_from_disk, frozen_copy, is_peft
 
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only
 # what training changes (the adapter), not a copy of the base (6 GiB in bf16 for Llama-3.2-3B) at every save.
@@ -37,6 +38,65 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
         atomic_torch_save(checkpoint, Path(path))
+
+
+def save_run_state(
+    checkpoint: dict[str, Any],
+    policy: torch.nn.Module,
+    model_name_or_path: str,
+    sampling_rng: torch.Generator,
+    device: torch.device,
+    skipped_steps: int,
+) -> None:
+    """Add what a resumed run needs beyond the weights to `checkpoint` (`InterleaveGRPO.on_save_checkpoint`).
+
+    The sampler's RNG, the global RNG (it draws LoRA's dropout masks; with it a resumed run continues them exactly)
+    and the device's, and the count of skipped steps. LoRA on a base from disk (`policy.base_from_disk`) leaves the
+    frozen base weights out and says so under `BASE_OMITTED`.
+    """
+    checkpoint["sampling_rng"] = sampling_rng.get_state()
+    checkpoint["torch_rng"] = torch.get_rng_state()
+    if device.type == "cuda":
+        checkpoint["cuda_rng"] = torch.cuda.get_rng_state(device)
+    checkpoint["skipped_steps"] = skipped_steps
+    if base_from_disk(policy, model_name_or_path):
+        omitted = frozen_weight_keys(policy, prefix="policy.")
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in omitted}
+        checkpoint[BASE_OMITTED] = model_name_or_path
+
+
+def restore_run_state(
+    checkpoint: dict[str, Any],
+    policy: torch.nn.Module,
+    reference: torch.nn.Module | None,
+    sampling_rng: Callable[[], torch.Generator],
+    device: torch.device,
+) -> tuple[int, torch.nn.Module | None]:
+    """Put back what `save_run_state` added, before Lightning loads the weights (`InterleaveGRPO.on_load_checkpoint`).
+
+    Args:
+        checkpoint: The checkpoint being loaded.
+        policy: The module's policy; a checkpoint without its base weights must hold all of its trainable ones.
+        reference: The module's frozen reference, or None.
+        sampling_rng: Gives the sampler's generator (called only when the checkpoint holds its state).
+        device: The module's device.
+
+    Returns:
+        The count of skipped steps, and the reference: a fresh frozen copy of the policy when the checkpoint holds
+        reference weights (loaded into it right after) and the module had none yet.
+    """
+    if BASE_OMITTED in checkpoint:
+        source = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
+        check_weight_keys(policy, set(checkpoint["state_dict"]), source, prefix="policy.")
+    if "sampling_rng" in checkpoint:
+        sampling_rng().set_state(checkpoint["sampling_rng"])
+    if "torch_rng" in checkpoint:
+        torch.set_rng_state(checkpoint["torch_rng"])
+    if "cuda_rng" in checkpoint and device.type == "cuda":
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"], device)
+    if reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
+        reference = frozen_copy(policy)
+    return checkpoint.get("skipped_steps", 0), reference
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

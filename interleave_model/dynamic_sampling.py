@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from interleave_data.datamodule import batches_run
 from interleave_model import grpo
+from interleave_model.records import Trajectory
 from interleave_model.rollout import Rollout
-
-if TYPE_CHECKING:
-    from interleave_model.module import InterleaveGRPO, Trajectory
 
 
 @dataclass
@@ -38,21 +35,32 @@ class DynamicSampling:
             raise ValueError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
 
 
-def refill(module: InterleaveGRPO, batch: dict, trajectory: Trajectory) -> tuple[Trajectory, dict[str, float]]:
+def refill(
+    trajectory: Trajectory,
+    generate: Callable[[dict], Trajectory],
+    draw: Callable[[int, int], dict],
+    num_generations: int,
+    max_rounds: int,
+    pad_token_id: int,
+) -> tuple[Trajectory, dict[str, float]]:
     """Drop the zero-variance groups of `trajectory` and refill from extra prompts, up to `max_rounds` rounds.
 
-    Extra prompts come from `datamodule.sample_refill`, seeded by the batch index and the round, so a resumed run
-    draws the same ones. Replayed rows of earlier stages are refilled at the batch's (longest) stage.
+    Args:
+        trajectory: The batch's trajectory, group-major.
+        generate: Rolls out and scores a batch of extra prompts (the module's `generate_trajectory`).
+        draw: `draw(round, n)` gives `n` extra prompts for refill round `round`, as a batch on the policy's device.
+            The module draws them from `datamodule.sample_refill`, seeded by the batch index and the round, so a
+            resumed run draws the same ones; replayed rows of earlier stages are refilled at the batch's stage.
+        num_generations: Completions per prompt (G).
+        max_rounds: Refill rounds at most (`DynamicSampling.max_rounds`).
+        pad_token_id: Pads the parts to one width when they are stacked.
 
     Returns:
         The trajectory to train on, as many groups as `trajectory`, and counters: groups dropped, refill rounds
         run, groups kept with some reward variance.
     """
-    G = module.hparams.num_generations
+    G = num_generations
     n_groups = trajectory.rewards.numel() // G
-    trainer = module.trainer
-    k = batches_run(trainer)  # index of this batch in the training stream
-    n_words = max(batch["n_words"])
     parts, kept, dropped, rounds = [], 0, 0, 0
     current = trajectory
     while True:
@@ -62,11 +70,9 @@ def refill(module: InterleaveGRPO, batch: dict, trajectory: Trajectory) -> tuple
         if keep.any():
             parts.append(select_groups(current, keep, G))
             kept += int(keep.sum())
-        if kept >= n_groups or rounds >= module.hparams.dynamic_sampling.max_rounds:
+        if kept >= n_groups or rounds >= max_rounds:
             break
-        extra = trainer.datamodule.sample_refill(k, rounds, n_groups - kept, n_words, trainer.global_rank)
-        extra = {key: v.to(module.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
-        current, _ = module.generate_trajectory(extra)
+        current = generate(draw(rounds, n_groups - kept))
         rounds += 1
     stats = {"train/dynamic_dropped_groups": float(dropped), "train/dynamic_rounds": float(rounds)}
     stats["train/dynamic_kept_groups"] = float(kept)
@@ -75,7 +81,7 @@ def refill(module: InterleaveGRPO, batch: dict, trajectory: Trajectory) -> tuple
     if kept < n_groups:  # at the cap: top up with the batch's own flat groups
         flat = grpo.zero_std_groups(trajectory.rewards, G)  # [P]
         parts.append(select_groups(trajectory, flat & (torch.cumsum(flat, 0) <= n_groups - kept), G))
-    return concat(parts, module.tokenizer.pad_token_id), stats
+    return concat(parts, pad_token_id), stats
 
 
 def select_groups(trajectory: Trajectory, keep: Tensor, num_generations: int) -> Trajectory:

@@ -12,8 +12,9 @@ Language Models Trained on Code"): from n >= k samples of which c are correct,
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
 from typing import Any
 
@@ -21,7 +22,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from interleave_model.alignment import score, words
+from interleave_model.alignment import align, score, words
+from interleave_model.metric import AlignmentScore
 
 GREEDY_KEYS = (
     "score",
@@ -162,3 +164,109 @@ def length_row(
     row |= {key: float(greedy[key]) for key in GREEDY_KEYS}
     row |= {key: float(value) for key, value in (sampled or {}).items()}
     return row
+
+
+def eval_seed(seed: int, n_words: int, batch_idx: int, rank: int) -> int:
+    """Seed of the answers sampled for one evaluation batch.
+
+    It depends on the run's seed, the length, the batch and the rank only, so evaluation draws the same answers
+    whenever it runs and never moves the training sampler's stream.
+    """
+    return random.Random(f"{seed}:eval:{n_words}:{batch_idx}:{rank}").getrandbits(63)
+
+
+def score_batch(
+    metrics: torch.nn.ModuleDict,
+    sample_metrics: torch.nn.ModuleDict,
+    batch: dict,
+    greedy: list[str],
+    groups: list[list[str]] | None,
+    ks: Sequence[int],
+    threshold: float,
+    device: torch.device,
+) -> None:
+    """Greedy answers into the length's `AlignmentScore`; sampled groups (if any) into its `SampledAnswers`.
+
+    Args:
+        metrics: Length (a str) -> `AlignmentScore`; a new length gets one.
+        sample_metrics: Length (a str) -> `SampledAnswers`; a new length gets one.
+        batch: One evaluation batch, all of one length (`n_words`, `targets`).
+        greedy: One greedy answer per prompt.
+        groups: The sampled answers, one group per prompt, or None.
+        ks: The k of each pass@k.
+        threshold: Alignment score a sampled answer needs to count as correct.
+        device: Where new metrics keep their states.
+    """
+    length = str(batch["n_words"][0])
+    if length not in metrics:
+        metrics[length] = AlignmentScore().to(device)
+    metrics[length].update(greedy, batch["targets"])
+    if groups is not None:
+        if length not in sample_metrics:
+            sample_metrics[length] = SampledAnswers(ks, threshold=threshold).to(device)
+        sample_metrics[length].update(groups, batch["targets"])
+
+
+def length_rows(
+    metrics: torch.nn.ModuleDict, sample_metrics: torch.nn.ModuleDict, sum_over_ranks: Callable[[Tensor], Tensor]
+) -> list[dict[str, float | int]]:
+    """The table of an evaluation, one `length_row` per length that saw pairs; every metric is reset.
+
+    Every rank runs this: the pair counts are summed over ranks and the metrics synced, so all ranks get the same
+    table.
+    """
+    rows = []
+    for length in sorted(metrics, key=int):
+        greedy = metrics[length]
+        pairs = int(sum_over_ranks(greedy.pairs).item())
+        sampled = sample_metrics[length] if length in sample_metrics else None
+        if pairs:
+            values = sampled.compute_all() if sampled is not None else None
+            rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
+        greedy.reset()
+        if sampled is not None:
+            sampled.reset()
+    return rows
+
+
+def logged_values(rows: Sequence[Mapping[str, float | int]], prefix: str) -> dict[str, float]:
+    """Every measure of the table as `{prefix}/{name}_{n}w` (the score as "alignment"); NaNs are left out."""
+    values = {}
+    for row in rows:
+        for name, value in row.items():
+            if name not in ("n_words", "pairs") and not math.isnan(value):
+                name = "alignment" if name == "score" else name
+                values[f"{prefix}/{name}_{row['n_words']}w"] = value
+    return values
+
+
+def prediction_records(batch: dict, greedy: list[str], groups: list[list[str]] | None) -> list[dict]:
+    """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
+    records = []
+    for i, text in enumerate(greedy):
+        target = batch["targets"][i]
+        diagnostics = align(text, target)
+        record = {
+            "id": batch["ids"][i],
+            "n_words": batch["n_words"][i],
+            "prompt": batch["prompts"][i],
+            "target": target,
+            "completion": text,
+            "score": diagnostics.score,
+            "exact_match": diagnostics.distance == 0,
+            "distance": diagnostics.distance,
+            "first_error": diagnostics.first_error,
+            "relative_first_error": diagnostics.relative_first_error,
+            "a_accuracy": diagnostics.a_accuracy,
+            "b_accuracy": diagnostics.b_accuracy,
+            "substitutions": diagnostics.substitutions,
+            "insertions": diagnostics.insertions,
+            "deletions": diagnostics.deletions,
+            "n_pred": diagnostics.n_pred,
+            "n_target": diagnostics.n_target,
+        }
+        if groups is not None:
+            record["samples"] = groups[i]
+            record["sample_scores"] = [align(answer, target).score for answer in groups[i]]
+        records.append(record)
+    return records

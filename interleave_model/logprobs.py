@@ -11,6 +11,7 @@ import contextlib
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedTokenizerBase
 
 from interleave_model.rollout import position_ids
 
@@ -303,3 +304,24 @@ def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
     if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:
         return None  # an adapter on the head, or a sharded (DTensor) weight
     return model.get_decoder(), head.weight
+
+
+def sft_inputs(tokenizer: PreTrainedTokenizerBase, batch: dict, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens.
+
+    Returns:
+        input_ids [B, Lp+T], attention_mask [B, Lp+T] and labels [B, T], the last T positions of each row, as
+        `completion_logits(..., width=T)` predicts them.
+    """
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    answers = [ids + [eos] for ids in tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
+    width = max(len(a) for a in answers)
+    answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
+    labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]
+    for i, answer in enumerate(answers):
+        answer_ids[i, : len(answer)] = torch.tensor(answer)
+        labels[i, : len(answer)] = torch.tensor(answer)
+    answer_ids, labels = answer_ids.to(device), labels.to(device)
+    input_ids = torch.cat([batch["prompt_ids"], answer_ids], dim=1)  # [B, Lp+T]
+    attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
+    return input_ids, attention_mask, labels

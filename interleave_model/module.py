@@ -2,46 +2,41 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-import random
 import time
 import warnings
-from collections.abc import Iterator
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from interleave_data.corpus import load_corpus
-from interleave_data.prompts import format_prompt
-from interleave_model import grpo
-from interleave_model.alignment import align
-from interleave_model.checkpoint import BASE_OMITTED, check_weight_keys, frozen_weight_keys, load_initial_weights
+from interleave_data.datamodule import batches_run
+from interleave_model import evaluation, grpo
+from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
-from interleave_model.evaluation import SampledAnswers, length_row, resolve_pass_k
-from interleave_model.logprobs import completion_logits, completion_logprobs
-from interleave_model.metric import AlignmentScore
+from interleave_model.logprobs import completion_logits, completion_logprobs, sft_inputs
 from interleave_model.policy import (
     TINY,
     LoraSettings,
     TinyModelConfig,
-    apply_lora,
-    build_tiny_model,
-    build_tiny_tokenizer,
+    as_reference,
+    base_from_disk,
+    build_policy,
+    eval_mode,
     frozen_copy,
     is_peft,
-    load_pretrained,
-    stop_token_ids,
-    zero_dropout,
+    prepare_for_training,
 )
 from interleave_model.preflight import preflight
+from interleave_model.ranks import batch_scaled_advantages
+from interleave_model.records import StepRecord, Trajectory, trajectory_stats
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
-from interleave_model.rollout import Rollout, rollout, token_budget
-from interleave_model.schedule import LrSchedule, lr_factor
-from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
+from interleave_model.rollout import Rollout
+from interleave_model.sampler import Sampler
+from interleave_model.schedule import LrSchedule, phase_learning_rate
+from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
@@ -49,34 +44,6 @@ warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual opt
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
 torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings])
-
-
-class Trajectory(NamedTuple):
-    """Everything the update needs from one rollout, group-major over P prompts x G completions."""
-
-    input_ids: Tensor  # [P*G, Lp+C] prompt then completion
-    attention_mask: Tensor  # [P*G, Lp+C]
-    completion_ids: Tensor  # [P*G, C]
-    completion_mask: Tensor  # [P*G, C]
-    old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
-    ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
-    rewards: Tensor  # [P*G]
-    advantages: Tensor  # [P*G]
-    rollout: Rollout
-
-
-class StepRecord(NamedTuple):
-    """What a GRPO step hands to callbacks, as `outputs["record"]` of `on_train_batch_end`; group-major.
-
-    Describes the batch as drawn, before any dynamic-sampling refill, so callbacks see collapse as it happens.
-    """
-
-    prompts: list[str]  # [P]
-    targets: list[str]  # [P]
-    n_words: list[int]  # [P]
-    completions: list[str]  # [P*G]
-    rewards: Tensor  # [P*G]
-    num_generations: int
 
 
 class InterleaveGRPO(L.LightningModule):
@@ -195,7 +162,7 @@ class InterleaveGRPO(L.LightningModule):
                 "model.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
                 "use k3 (or k2)"
             )
-        self.pass_k = resolve_pass_k(eval_num_samples, pass_k)
+        self.pass_k = evaluation.resolve_pass_k(eval_num_samples, pass_k)
         if rollout_engine not in ("own", "vllm"):
             raise ValueError(f"model.rollout_engine must be 'own' or 'vllm', got {rollout_engine!r}")
         self.save_hyperparameters(ignore=["rewards"])
@@ -204,17 +171,12 @@ class InterleaveGRPO(L.LightningModule):
         # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
         tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
         lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
-        self.policy, self.tokenizer = self._load_policy(tiny)
-        self.stop_ids = stop_token_ids(self.policy, self.tokenizer)
-        if lora is not None:
-            self.policy = apply_lora(self.policy, lora)
+        self.policy, self.tokenizer, self.stop_ids = build_policy(
+            model_name_or_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
+        )
         if init_from is not None:
             load_initial_weights(self.policy, init_from)
-        if disable_dropout:
-            zero_dropout(self.policy)
-        if gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self.policy.enable_input_require_grads()
+        prepare_for_training(self.policy, disable_dropout, gradient_checkpointing)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
         self.metrics = torch.nn.ModuleDict()  # length -> AlignmentScore of greedy answers
@@ -222,24 +184,19 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
-        self._engine: VllmEngine | None = None  # built at the first rollout when rollout_engine is "vllm"
+        self.sampler = Sampler(
+            self.policy, self.tokenizer, self.stop_ids, rollout_engine, top_p, top_k, max_new_tokens, budget_margin,
+            model_name_or_path, vllm, seed,
+        )  # fmt: skip
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
-        self.strict_loading = not self._base_from_disk()
-
-    def _load_policy(self, tiny: TinyModelConfig):
-        hp = self.hparams
-        if hp.model_name_or_path != TINY:
-            return load_pretrained(hp.model_name_or_path, hp.dtype, hp.attn_implementation, hp.trust_remote_code)
-        texts = [t.words for t in load_corpus(hp.corpus).texts]
-        tokenizer = build_tiny_tokenizer(texts, extra_words=format_prompt("", "", hp.template).split())
-        return build_tiny_model(tokenizer, tiny, seed=hp.seed), tokenizer
+        self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
 
     # ---------------------------------------------------------------- Lightning hooks
 
     def on_fit_start(self) -> None:
         # from_pretrained returns a model in eval mode; HF's gradient checkpointing (and dropout) act only in train
-        # mode. The reference too: it runs its own forwards in eval mode (_reference), and Lightning warns otherwise.
+        # mode. The reference too: it runs its own forwards in eval mode (as_reference), and Lightning warns otherwise.
         self.train()
 
     def setup(self, stage: str) -> None:
@@ -261,10 +218,16 @@ class InterleaveGRPO(L.LightningModule):
             roll, G = trajectory.rollout, self.hparams.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
             if self.hparams.dynamic_sampling is not None:
-                trajectory, counts = refill(self, batch, trajectory)
+                trajectory, counts = refill(
+                    trajectory, lambda extra: self.generate_trajectory(extra)[0], self._refill_draw(batch), G,
+                    self.hparams.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id,
+                )  # fmt: skip
                 stats |= counts
             if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
-                trajectory = trajectory._replace(advantages=self._batch_scaled_advantages(trajectory.rewards))
+                advantages = batch_scaled_advantages(
+                    trajectory.rewards, G, self.hparams.advantage_estimator, self._sum_over_ranks
+                )
+                trajectory = trajectory._replace(advantages=advantages)
             for _ in range(self.hparams.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
@@ -287,62 +250,17 @@ class InterleaveGRPO(L.LightningModule):
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
         groups = self._sampled(batch, batch_idx) if self.hparams.eval_num_samples else None
-        records = []
-        for i, text in enumerate(self.greedy(batch)):
-            target = batch["targets"][i]
-            diagnostics = align(text, target)
-            record = {
-                "id": batch["ids"][i],
-                "n_words": batch["n_words"][i],
-                "prompt": batch["prompts"][i],
-                "target": target,
-                "completion": text,
-                "score": diagnostics.score,
-                "exact_match": diagnostics.distance == 0,
-                "distance": diagnostics.distance,
-                "first_error": diagnostics.first_error,
-                "relative_first_error": diagnostics.relative_first_error,
-                "a_accuracy": diagnostics.a_accuracy,
-                "b_accuracy": diagnostics.b_accuracy,
-                "substitutions": diagnostics.substitutions,
-                "insertions": diagnostics.insertions,
-                "deletions": diagnostics.deletions,
-                "n_pred": diagnostics.n_pred,
-                "n_target": diagnostics.n_target,
-            }
-            if groups is not None:
-                record["samples"] = groups[i]
-                record["sample_scores"] = [align(answer, target).score for answer in groups[i]]
-            records.append(record)
-        return records
+        return evaluation.prediction_records(batch, self.greedy(batch), groups)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["sampling_rng"] = self._generator().get_state()
-        # the global RNG draws LoRA's dropout masks; with it a resumed run continues them exactly
-        checkpoint["torch_rng"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            checkpoint["cuda_rng"] = torch.cuda.get_rng_state(self.device)
-        checkpoint["skipped_steps"] = self.skipped_steps
-        if self._base_from_disk():
-            omitted = frozen_weight_keys(self.policy, prefix="policy.")
-            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k not in omitted}
-            checkpoint[BASE_OMITTED] = self.hparams.model_name_or_path
+        rng, path = self._generator(), self.hparams.model_name_or_path
+        save_run_state(checkpoint, self.policy, path, rng, self.device, self.skipped_steps)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        if BASE_OMITTED in checkpoint:
-            source = f"the checkpoint's LoRA weights (base {checkpoint[BASE_OMITTED]})"
-            check_weight_keys(self.policy, set(checkpoint["state_dict"]), source, prefix="policy.")
-        if "sampling_rng" in checkpoint:
-            self._generator().set_state(checkpoint["sampling_rng"])
-        if "torch_rng" in checkpoint:
-            torch.set_rng_state(checkpoint["torch_rng"])
-        if "cuda_rng" in checkpoint and self.device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint["cuda_rng"], self.device)
-        self.skipped_steps = checkpoint.get("skipped_steps", 0)
-        if self._engine is not None:
-            self._engine.version = None  # the loaded weights reach the engine before its next rollout
-        if self.reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
-            self.reference = frozen_copy(self.policy)  # its weights come from the checkpoint right after
+        self.skipped_steps, self.reference = restore_run_state(
+            checkpoint, self.policy, self.reference, self._generator, self.device
+        )
+        self.sampler.weights_loaded()
 
     # ---------------------------------------------------------------- the algorithm
 
@@ -351,7 +269,7 @@ class InterleaveGRPO(L.LightningModule):
         hp = self.hparams
         G = hp.num_generations
         started = time.perf_counter()
-        with _eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
+        with eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
             roll = self._rollout(batch, G, hp.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
@@ -377,17 +295,7 @@ class InterleaveGRPO(L.LightningModule):
         trajectory = Trajectory(
             input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
         )
-        zero_std = grpo.zero_std_groups(rewards, G)  # [P]
-        stats = {
-            "train/reward_mean": rewards.mean().item(),
-            "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            "train/frac_zero_std_groups": zero_std.float().mean().item(),
-            "train/advantage_abs_mean": advantages.abs().mean().item(),
-            "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
-            "train/truncated_frac": roll.truncated.float().mean().item(),
-            "time/rollout_s": rolled - started,
-            "time/reward_s": scored - rolled,
-        }
+        stats = trajectory_stats(trajectory, G) | {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
@@ -418,7 +326,8 @@ class InterleaveGRPO(L.LightningModule):
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
                 epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
                 loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
-                num_tokens=num_tokens, importance_weights=self._importance_weights(trajectory.rollout, old, rows),
+                num_tokens=num_tokens,
+                importance_weights=self.sampler.importance_weights(trajectory.rollout, old, rows),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
@@ -438,7 +347,7 @@ class InterleaveGRPO(L.LightningModule):
     def sft_step(self, batch: dict) -> dict[str, float]:
         """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
         started = time.perf_counter()
-        input_ids, attention_mask, labels = self._sft_inputs(batch)  # [B, Lp+T] each
+        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
         optimizer = self.optimizers()
         optimizer.zero_grad()
         logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
@@ -456,115 +365,45 @@ class InterleaveGRPO(L.LightningModule):
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
-        """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k."""
-        kwargs = {"num_generations": num_generations, "max_new_tokens": self._budget(batch["targets"]),
-                  "temperature": temperature, "top_p": self.hparams.top_p, "top_k": self.hparams.top_k,
-                  "generator": generator}  # fmt: skip
-        if self.hparams.rollout_engine == "own":
-            return rollout(
-                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
-            )
-        engine = self._vllm_engine()
-        roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
-        if self.training:
-            engine.sleep()  # the update gets the engine's KV memory (sleep mode on a GPU)
-        return roll
+        # every optimizer step moves global_step, so a new step means new weights for the engine; while training,
+        # the update gets the engine's KV memory after sampling
+        version, rank, sleep = self.global_step, self.global_rank, self.training
+        return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
 
-    def _importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
-        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
-        settings = self._engine.settings if self._engine is not None else None
-        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
-            return None
-        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
+    def _refill_draw(self, batch: dict):
+        """`draw(round, n)` for dynamic sampling: extra prompts of the batch's (longest) stage, seeded by the index of
+        the batch in the training stream and the round, so a resumed run draws the same ones."""
+        trainer, k, n_words = self.trainer, batches_run(self.trainer), max(batch["n_words"])
 
-    def _vllm_engine(self) -> VllmEngine:
-        """The colocated engine, built at the first rollout, serving the policy's weights of this step."""
-        hp = self.hparams
-        if self._engine is None:
-            path = None if hp.model_name_or_path == TINY else hp.model_name_or_path
-            seed = hp.seed + self.global_rank
-            self._engine = VllmEngine(self.policy, self.tokenizer, path, self.stop_ids, hp.vllm, seed=seed)
-        # every optimizer step moves global_step, so a new step means new weights
-        self._engine.serve(self.policy, version=self.global_step)
-        return self._engine
+        def draw(round_: int, n: int) -> dict:
+            extra = trainer.datamodule.sample_refill(k, round_, n, n_words, trainer.global_rank)
+            return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
+
+        return draw
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
-        """Greedy answers into the length's AlignmentScore; sampled groups into its SampledAnswers."""
-        length = str(batch["n_words"][0])
-        if length not in self.metrics:
-            self.metrics[length] = AlignmentScore().to(self.device)
-        self.metrics[length].update(self.greedy(batch), batch["targets"])
-        if self.hparams.eval_num_samples:
-            if length not in self.sample_metrics:
-                metric = SampledAnswers(self.pass_k, threshold=self.hparams.pass_threshold)
-                self.sample_metrics[length] = metric.to(self.device)
-            self.sample_metrics[length].update(self._sampled(batch, batch_idx), batch["targets"])
+        """Greedy answers (then sampled ones, for pass@k) into the length's metrics."""
+        hp, greedy = self.hparams, self.greedy(batch)
+        groups = self._sampled(batch, batch_idx) if hp.eval_num_samples else None
+        evaluation.score_batch(
+            self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, hp.pass_threshold, self.device
+        )
 
     def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
-        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own.
-
-        The seed depends on the run's seed, the length, the batch and the rank only, so evaluation draws the same
-        answers whenever it runs and never moves the training sampler's stream.
-        """
-        hp = self.hparams
-        n = hp.eval_num_samples
-        seed = random.Random(f"{hp.seed}:eval:{batch['n_words'][0]}:{batch_idx}:{self.global_rank}").getrandbits(63)
+        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own (`eval_seed`)."""
+        n = self.hparams.eval_num_samples
+        seed = evaluation.eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        texts = self._rollout(batch, n, hp.eval_temperature, generator).texts
+        texts = self._rollout(batch, n, self.hparams.eval_temperature, generator).texts
         return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
-        """Log every measure per length as `{prefix}/{name}_{n}w` and keep the table in `eval_results`.
-
-        Every rank runs this: the pair counts are reduced and the metrics synced, so all ranks log the same values.
-        """
-        rows = []
-        for length in sorted(self.metrics, key=int):
-            greedy = self.metrics[length]
-            pairs = int(self.trainer.strategy.reduce(greedy.pairs.clone(), reduce_op="sum").item())
-            sampled = self.sample_metrics[length] if length in self.sample_metrics else None
-            if pairs:
-                values = sampled.compute_all() if sampled is not None else None
-                rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
-            greedy.reset()
-            if sampled is not None:
-                sampled.reset()
-        for row in rows:
-            for name, value in row.items():
-                if name not in ("n_words", "pairs") and not math.isnan(value):
-                    name = "alignment" if name == "score" else name
-                    # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
-                    self.log(f"{prefix}/{name}_{row['n_words']}w", value, batch_size=1, sync_dist=True)
+        """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
+        rows = evaluation.length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
+        for name, value in evaluation.logged_values(rows, prefix).items():
+            # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
+            self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
-
-    def _budget(self, targets: list[str]) -> int:
-        """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
-        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
-        needed = max(lengths) + 1  # + EOS
-        fixed = self.hparams.max_new_tokens
-        if fixed is not None:
-            if fixed < needed:
-                raise ValueError(
-                    f"model.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
-                    "raise it or leave it null to size the budget from the targets"
-                )
-            return fixed
-        return token_budget(lengths, margin=self.hparams.budget_margin)
-
-    def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
-        """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens."""
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        answers = [ids + [eos] for ids in self.tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
-        width = max(len(a) for a in answers)
-        answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
-        labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]
-        for i, answer in enumerate(answers):
-            answer_ids[i, : len(answer)] = torch.tensor(answer)
-            labels[i, : len(answer)] = torch.tensor(answer)
-        answer_ids, labels = answer_ids.to(self.device), labels.to(self.device)
-        input_ids = torch.cat([batch["prompt_ids"], answer_ids], dim=1)  # [B, Lp+T]
-        attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
-        return input_ids, attention_mask, labels
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         temperature, chunks = self.hparams.temperature, []
@@ -574,30 +413,12 @@ class InterleaveGRPO(L.LightningModule):
         return torch.cat(chunks)  # [N, C]
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
-        with self._reference() as reference:
-            return self._logprobs(reference, input_ids, attention_mask, completion_ids)
-
-    @contextlib.contextmanager
-    def _reference(self) -> Iterator[torch.nn.Module]:
-        """The reference in eval mode: the policy with its adapter off under LoRA (no second copy), else a snapshot."""
-        if is_peft(self.policy):
-            with self.policy.disable_adapter(), _eval_mode(self.policy):
-                yield self.policy
-            return
-        if self.reference is None:
+        """Log-probs under the reference; without LoRA its frozen copy is taken now, as GRPO starts (after SFT)."""
+        if self.reference is None and not is_peft(self.policy):
             rank_zero_info("GRPO starts: freezing a copy of the policy as the KL reference")
             self.reference = frozen_copy(self.policy)
-        with _eval_mode(self.reference):
-            yield self.reference
-
-    def _batch_scaled_advantages(self, rewards: Tensor) -> Tensor:
-        """Advantages scaled by the reward std of every rank's batch, as one process holding them all would."""
-        count = self._sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
-        mean = self._sum_over_ranks(rewards.sum()) / count
-        squares = self._sum_over_ranks((rewards - mean).pow(2).sum())
-        std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
-        hp = self.hparams
-        return grpo.group_advantages(rewards, hp.num_generations, "batch", hp.advantage_estimator, batch_std=std)
+        with as_reference(self.policy, self.reference) as reference:
+            return self._logprobs(reference, input_ids, attention_mask, completion_ids)
 
     def _sum_over_ranks(self, x: Tensor) -> Tensor:
         """The sum of a tensor over all ranks (the tensor itself on one process)."""
@@ -618,7 +439,11 @@ class InterleaveGRPO(L.LightningModule):
             self._skip_step(optimizer)
             optimizer.step()
             return
-        lr = self._learning_rate(phase)
+        hp = self.hparams
+        lr = phase_learning_rate(
+            phase, self.global_step, self.trainer.max_steps, hp.learning_rate, hp.sft_learning_rate, hp.warmup_steps,
+            hp.sft_steps, hp.lr_schedule,
+        )  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -651,30 +476,7 @@ class InterleaveGRPO(L.LightningModule):
         optimizer.zero_grad(set_to_none=True)
         self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
 
-    def _learning_rate(self, phase: str) -> float:
-        """Each phase has its own schedule: SFT decays over its steps, GRPO warms up again from where SFT ended."""
-        hp = self.hparams
-        if phase == "sft":
-            return hp.sft_learning_rate * lr_factor(self.global_step, hp.warmup_steps, hp.sft_steps, "cosine")
-        step, total = self.global_step - hp.sft_steps, self.trainer.max_steps - hp.sft_steps
-        return hp.learning_rate * lr_factor(max(step, 0), hp.warmup_steps, total, hp.lr_schedule)
-
-    def _base_from_disk(self) -> bool:
-        """LoRA on a model that `from_pretrained` loads again: its frozen base need not be in checkpoints."""
-        return is_peft(self.policy) and self.hparams.model_name_or_path != TINY
-
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:
             self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
         return self._rng
-
-
-@contextlib.contextmanager
-def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
-    """Run a block with `model` in eval mode, then put back the mode it had."""
-    training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(training)

@@ -12,7 +12,8 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from interleave_data.corpus import first_line
+from interleave_data.corpus import first_line, load_corpus
+from interleave_data.prompts import format_prompt
 
 TINY = "tiny"
 """`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
@@ -69,6 +70,48 @@ class LoraSettings:
     alpha: int = 32
     dropout: float = 0.05
     target_modules: list[str] | str = ALL_LINEAR
+
+
+def build_policy(
+    model_name_or_path: str,
+    tiny: TinyModelConfig,
+    corpus: list[str] | None,
+    template: str,
+    seed: int,
+    dtype: str | None = None,
+    attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
+    lora: LoraSettings | None = None,
+) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, list[int]]:
+    """The policy (LoRA-wrapped when `lora` is set), its tokenizer and the ids that end a completion.
+
+    Args are `InterleaveGRPO`'s of the same names: "tiny" builds the embedded tiny Llama, whose vocabulary is every
+    word of `corpus` and `template`, seeded by `seed`; anything else is loaded with `from_pretrained`.
+    """
+    if model_name_or_path != TINY:
+        policy, tokenizer = load_pretrained(model_name_or_path, dtype, attn_implementation, trust_remote_code)
+    else:
+        texts = [t.words for t in load_corpus(corpus).texts]
+        tokenizer = build_tiny_tokenizer(texts, extra_words=format_prompt("", "", template).split())
+        policy = build_tiny_model(tokenizer, tiny, seed=seed)
+    stop_ids = stop_token_ids(policy, tokenizer)
+    if lora is not None:
+        policy = apply_lora(policy, lora)
+    return policy, tokenizer, stop_ids
+
+
+def prepare_for_training(policy: torch.nn.Module, disable_dropout: bool, gradient_checkpointing: bool) -> None:
+    """Zero every dropout (`zero_dropout`) and turn on gradient checkpointing, as the settings ask."""
+    if disable_dropout:
+        zero_dropout(policy)
+    if gradient_checkpointing:
+        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        policy.enable_input_require_grads()
+
+
+def base_from_disk(policy: torch.nn.Module, model_name_or_path: str) -> bool:
+    """LoRA on a model that `from_pretrained` loads again: its frozen base need not be in checkpoints."""
+    return is_peft(policy) and model_name_or_path != TINY
 
 
 def build_tiny_tokenizer(texts: Sequence[Sequence[str]], extra_words: Sequence[str] = ()) -> PreTrainedTokenizerFast:
@@ -196,6 +239,31 @@ def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     reference = copy.deepcopy(model).eval()
     reference.requires_grad_(False)
     return reference
+
+
+@contextlib.contextmanager
+def as_reference(policy: torch.nn.Module, frozen: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
+    """The KL reference in eval mode: the policy with its adapter off under LoRA (no second copy), else `frozen`,
+    the `frozen_copy` of the policy taken as GRPO started."""
+    if is_peft(policy):
+        with policy.disable_adapter(), eval_mode(policy):
+            yield policy
+        return
+    if frozen is None:
+        raise ValueError("a policy without LoRA needs its frozen copy as the reference")
+    with eval_mode(frozen):
+        yield frozen
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """Run a block with `model` in eval mode, then put back the mode it had."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def is_peft(model: torch.nn.Module) -> bool:

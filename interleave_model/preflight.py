@@ -24,7 +24,7 @@ class StageFit(NamedTuple):
 
     n_words: int
     prompt_tokens: int  # the longest prompt, as collated (chat template included)
-    answer_tokens: int  # the sampler's budget for the longest target (`InterleaveGRPO._budget`)
+    answer_tokens: int  # the sampler's budget for the longest target (`Sampler.budget`)
     limit: int | None  # the model's max_position_embeddings; None when its config names none
 
     @property
@@ -66,7 +66,7 @@ def stage_fit(module, datamodule, n_words: int) -> StageFit:
     examples = sorted(_examples(datamodule, n_words), key=lambda e: len(e.target), reverse=True)[:LONGEST]
     batch = datamodule.collate(examples, "eval")
     try:
-        answer = module._budget(batch["targets"])
+        answer = module.sampler.budget(batch["targets"])
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)

@@ -29,3 +29,24 @@ def lr_factor(
         return 1.0
     progress = min((step - warmup_steps) / (total_steps - warmup_steps), 1.0)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def phase_learning_rate(
+    phase: str,
+    step: int,
+    max_steps: int,
+    learning_rate: float,
+    sft_learning_rate: float,
+    warmup_steps: int,
+    sft_steps: int,
+    lr_schedule: LrSchedule,
+) -> float:
+    """The learning rate at `step`: each phase has its own schedule.
+
+    The SFT phase ("sft") decays by a cosine over its `sft_steps`; GRPO warms up again from where SFT ended and
+    follows `lr_schedule` to `max_steps`. The other arguments are `InterleaveGRPO`'s of the same names.
+    """
+    if phase == "sft":
+        return sft_learning_rate * lr_factor(step, warmup_steps, sft_steps, "cosine")
+    step, total = step - sft_steps, max_steps - sft_steps
+    return learning_rate * lr_factor(max(step, 0), warmup_steps, total, lr_schedule)

@@ -21,8 +21,8 @@ from interleave_model.callbacks import CurriculumCallback, SampleDump
 from interleave_model.checkpoint import load_initial_weights
 from interleave_model.dynamic_sampling import DynamicSampling, concat, refill, select_groups
 from interleave_model.export import export
-from interleave_model.module import StepRecord, Trajectory
 from interleave_model.policy import LoraSettings, PolicyError
+from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import Rollout
 
@@ -389,32 +389,25 @@ def _trajectory(rewards: list[float], prompt_width: int, width: int, first_id: i
                       r - r.view(-1, G).mean(1).repeat_interleave(G), roll)  # fmt: skip
 
 
-def _sampler(tmp_path, original: Trajectory, refills: list[Trajectory], max_rounds: int):
-    trainer = _Trainer(tmp_path)
+def _refill(original: Trajectory, refills: list[Trajectory], max_rounds: int):
+    """`refill` with a stand-in generator popping `refills` and a draw that records what it was asked."""
     asked = []
 
-    def sample_refill(k, round_, n, n_words, rank):
-        asked.append((k, round_, n, n_words))
+    def draw(round_, n):
+        asked.append((round_, n))
         return {"prompt_ids": torch.zeros(n, 1)}
 
-    trainer.datamodule.sample_refill = sample_refill
-    module = SimpleNamespace(
-        hparams=AttributeDict(num_generations=G, dynamic_sampling=DynamicSampling(max_rounds)), trainer=trainer,
-        device=torch.device("cpu"), tokenizer=SimpleNamespace(pad_token_id=0),
-        generate_trajectory=lambda batch: (refills.pop(0), {}),
-    )  # fmt: skip
-    return module, asked
+    out, stats = refill(original, lambda batch: refills.pop(0), draw, G, max_rounds, pad_token_id=0)
+    return out, stats, asked
 
 
 def test_dynamic_sampling_drops_flat_groups_and_refills_them(tmp_path):
     original = _trajectory([0.0, 0.0, 0.2, 0.4, 1.0, 1.0], prompt_width=2, width=3)  # groups: flat, varied, flat
     refills = [_trajectory([0.1, 0.2, 0.5, 0.5], 1, 2, first_id=50), _trajectory([0.3, 0.1, 0.7, 0.9], 3, 4, 70)]
-    module, asked = _sampler(tmp_path, original, refills, max_rounds=3)
-
-    out, stats = refill(module, {"n_words": [8, 8, 4]}, original)
+    out, stats, asked = _refill(original, refills, max_rounds=3)
 
     # round 0 refills the 2 missing groups and finds 1 varied; round 1 asks for 1 and keeps the first of two
-    assert asked == [(0, 0, 2, 8), (0, 1, 1, 8)]
+    assert asked == [(0, 2), (1, 1)]
     assert stats == {"train/dynamic_dropped_groups": 3.0, "train/dynamic_rounds": 2.0, "train/dynamic_kept_groups": 3.0}
     assert out.rollout.texts == ["text 12", "text 13", "text 50", "text 51", "text 70", "text 71"]
     assert out.input_ids.shape == (6, 3 + 4) and out.completion_ids.shape == (6, 4)
@@ -426,16 +419,13 @@ def test_dynamic_sampling_drops_flat_groups_and_refills_them(tmp_path):
 
 def test_dynamic_sampling_stops_at_the_cap_and_keeps_the_batch_size(tmp_path):
     original = _trajectory([0.0, 0.0, 0.0, 0.0], 1, 1)
-    module, asked = _sampler(tmp_path, original, [_trajectory([0.5, 0.5], 1, 1) for _ in range(2)], max_rounds=2)
-
-    out, stats = refill(module, {"n_words": [4, 4]}, original)
+    out, stats, asked = _refill(original, [_trajectory([0.5, 0.5], 1, 1) for _ in range(2)], max_rounds=2)
 
     assert out is original and len(asked) == 2  # nothing varied: the batch itself, after two refill rounds
     assert stats == {"train/dynamic_dropped_groups": 4.0, "train/dynamic_rounds": 2.0, "train/dynamic_kept_groups": 0.0}
 
     refills = [_trajectory([0.5, 0.5], 1, 1), _trajectory([0.2, 0.7, 0.1, 0.1], 1, 1, first_id=40)]
-    module, asked = _sampler(tmp_path, original, refills, max_rounds=2)
-    out, stats = refill(module, {"n_words": [4, 4]}, original)
+    out, stats, asked = _refill(original, refills, max_rounds=2)
     assert out.rollout.texts == ["text 40", "text 41", "text 10", "text 11"]  # one varied, one flat to fill up
 
 

@@ -10,7 +10,8 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from interleave_model import grpo
-from interleave_model.policy import LoraSettings
+from interleave_model.logprobs import sft_inputs
+from interleave_model.policy import LoraSettings, as_reference
 from interleave_model.rewards import RewardFunction
 from tests.model.test_rewards import Constant
 
@@ -74,7 +75,7 @@ def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, m
     moved = {k for k, v in base.items() if not torch.equal(v, after[k])}
     assert moved and all("lora_" in k for k in moved)
     assert module.reference is None  # no second copy under LoRA
-    with module._reference() as reference:
+    with as_reference(module.policy, module.reference) as reference:
         assert torch.equal(_logprobs(module, reference, batch), base_logprobs)
     assert not torch.equal(_logprobs(module, module.policy, batch), base_logprobs)
 
@@ -100,7 +101,7 @@ def test_sft_phase_trains_on_target_tokens(make_module, make_datamodule):
     module = make_module(sft_learning_rate=1e-2)
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=4)
     batch = datamodule.collate(datamodule.sample_train_batch(0)[1], "sft")
-    input_ids, attention_mask, labels = module._sft_inputs(batch)
+    input_ids, attention_mask, labels = sft_inputs(module.tokenizer, batch, module.device)
     answer = module.tokenizer(batch["targets"][0], add_special_tokens=False)["input_ids"]
     assert labels[0, : len(answer) + 1].tolist() == answer + [module.tokenizer.eos_token_id]
     assert (labels[0, len(answer) + 1 :] == -100).all()
@@ -122,7 +123,7 @@ def test_bad_settings_are_refused_before_training(make_module, make_datamodule):
 def test_budget_follows_the_stage(make_module, make_datamodule):
     module = make_module()
     loaders = make_datamodule(module.tokenizer).val_dataloader()
-    short, long = (module._budget(next(iter(loader))["targets"]) for loader in loaders)
+    short, long = (module.sampler.budget(next(iter(loader))["targets"]) for loader in loaders)
     assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import interleave_model.module as module_py
+import interleave_model.sampler as sampler_py
 from interleave_model import grpo
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import LoraSettings, frozen_copy
@@ -51,7 +52,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
     if lora is None:
         module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
     modes = {"rollout": [], "reference": [], "update": []}
-    rollout, logprobs = module_py.rollout, module_py.completion_logprobs
+    rollout, logprobs = sampler_py.rollout, module_py.completion_logprobs
 
     def recording_rollout(model, *args, **kwargs):
         modes["rollout"].append(model.training)
@@ -61,7 +62,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
         modes["update" if torch.is_grad_enabled() else "reference"].append(model.training)
         return logprobs(model, *args, **kwargs)
 
-    monkeypatch.setattr(module_py, "rollout", recording_rollout)
+    monkeypatch.setattr(sampler_py, "rollout", recording_rollout)
     monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

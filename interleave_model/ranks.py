@@ -1,0 +1,27 @@
+"""Statistics over every DDP rank's batch, as one process holding them all would compute them.
+
+Each function takes `sum_over_ranks`, the sum of a tensor over all ranks (the tensor itself on one process): the
+module passes its strategy's reduction, a test can pass any function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor
+
+from interleave_model import grpo
+
+
+def batch_scaled_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    estimator: grpo.AdvantageEstimator,
+    sum_over_ranks: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """Advantages [P*G] scaled by the reward std of every rank's batch (`scale_rewards: batch`)."""
+    count = sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
+    mean = sum_over_ranks(rewards.sum()) / count
+    squares = sum_over_ranks((rewards - mean).pow(2).sum())
+    std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
+    return grpo.group_advantages(rewards, num_generations, "batch", estimator, batch_std=std)

@@ -1,0 +1,52 @@
+"""The records a GRPO step passes on: the trajectory the update trains on, and what callbacks see of the step."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+from interleave_model import grpo
+from interleave_model.rollout import Rollout
+
+
+class Trajectory(NamedTuple):
+    """Everything the update needs from one rollout, group-major over P prompts x G completions."""
+
+    input_ids: Tensor  # [P*G, Lp+C] prompt then completion
+    attention_mask: Tensor  # [P*G, Lp+C]
+    completion_ids: Tensor  # [P*G, C]
+    completion_mask: Tensor  # [P*G, C]
+    old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
+    ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
+    rewards: Tensor  # [P*G]
+    advantages: Tensor  # [P*G]
+    rollout: Rollout
+
+
+class StepRecord(NamedTuple):
+    """What a GRPO step hands to callbacks, as `outputs["record"]` of `on_train_batch_end`; group-major.
+
+    Describes the batch as drawn, before any dynamic-sampling refill, so callbacks see collapse as it happens.
+    """
+
+    prompts: list[str]  # [P]
+    targets: list[str]  # [P]
+    n_words: list[int]  # [P]
+    completions: list[str]  # [P*G]
+    rewards: Tensor  # [P*G]
+    num_generations: int
+
+
+def trajectory_stats(trajectory: Trajectory, num_generations: int) -> dict[str, float]:
+    """What a step logs of its trajectory: the rewards and their spread, the advantages, the completions' lengths."""
+    rewards, roll = trajectory.rewards, trajectory.rollout  # [P*G]
+    zero_std = grpo.zero_std_groups(rewards, num_generations)  # [P]
+    return {
+        "train/reward_mean": rewards.mean().item(),
+        "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "train/frac_zero_std_groups": zero_std.float().mean().item(),
+        "train/advantage_abs_mean": trajectory.advantages.abs().mean().item(),
+        "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
+        "train/truncated_frac": roll.truncated.float().mean().item(),
+    }

@@ -1,0 +1,118 @@
+"""Which engine samples the answers: the project's own sampler (`rollout.py`) or colocated vLLM (`vllm_engine.py`).
+
+Training, validation, test and predict all sample through one `Sampler`, within the token budget a batch's targets
+need, so the two engines differ only in where the tokens come from.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from interleave_model.policy import TINY
+from interleave_model.rollout import Rollout, rollout, token_budget
+from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
+
+
+class Sampler:
+    """Answers to a batch's prompts from the policy, by the engine `model.rollout_engine` names.
+
+    Args:
+        policy: The policy (LoRA-wrapped or not); the engine serves its weights of the current step.
+        tokenizer: Its tokenizer (counts the targets' tokens for the budget).
+        stop_ids: The ids that end a completion.
+        engine: "own" or "vllm".
+        top_p: Nucleus sampling mass.
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        budget_margin: Share of the longest target's token length added to the automatic budget.
+        model_name_or_path: The folder or hub name vLLM loads the model from; the tiny model is handed over in memory.
+        vllm: The vLLM engine's options.
+        seed: Seed of the vLLM engine, offset by the rank.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        stop_ids: list[int],
+        engine: Literal["own", "vllm"] = "own",
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_new_tokens: int | None = None,
+        budget_margin: float = 0.25,
+        model_name_or_path: str = TINY,
+        vllm: VllmSettings | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.policy, self.tokenizer, self.stop_ids = policy, tokenizer, stop_ids
+        self.kind, self.top_p, self.top_k = engine, top_p, top_k
+        self.max_new_tokens, self.budget_margin = max_new_tokens, budget_margin
+        self.model_path = None if model_name_or_path == TINY else model_name_or_path
+        self.vllm, self.seed = vllm, seed
+        self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
+
+    def rollout(
+        self,
+        batch: dict,
+        num_generations: int,
+        temperature: float,
+        generator: torch.Generator | None = None,
+        version: int = 0,
+        rank: int = 0,
+        sleep: bool = False,
+    ) -> Rollout:
+        """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k.
+
+        `version` names the policy's weights (the global step): the engine takes them again when it changes.
+        `sleep` hands the engine's KV memory to the update after sampling (sleep mode on a GPU).
+        """
+        kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["targets"]),
+                  "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "generator": generator}  # fmt: skip
+        if self.kind == "own":
+            return rollout(
+                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
+            )
+        engine = self._vllm_engine(version, rank)
+        roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
+        if sleep:
+            engine.sleep()
+        return roll
+
+    def budget(self, targets: list[str]) -> int:
+        """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
+        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
+        needed = max(lengths) + 1  # + EOS
+        fixed = self.max_new_tokens
+        if fixed is not None:
+            if fixed < needed:
+                raise ValueError(
+                    f"model.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
+                    "raise it or leave it null to size the budget from the targets"
+                )
+            return fixed
+        return token_budget(lengths, margin=self.budget_margin)
+
+    def importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
+        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
+        settings = self.engine.settings if self.engine is not None else None
+        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
+            return None
+        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
+
+    def weights_loaded(self) -> None:
+        """The policy's weights were replaced (a checkpoint loaded): they reach the engine before its next rollout."""
+        if self.engine is not None:
+            self.engine.version = None
+
+    def _vllm_engine(self, version: int, rank: int) -> VllmEngine:
+        """The colocated engine, built at the first rollout, serving the policy's weights of this version."""
+        if self.engine is None:
+            seed = self.seed + rank
+            self.engine = VllmEngine(self.policy, self.tokenizer, self.model_path, self.stop_ids, self.vllm, seed=seed)
+        self.engine.serve(self.policy, version=version)
+        return self.engine
