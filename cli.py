@@ -26,9 +26,6 @@ from interleave_model.writers import EvaluationReport, PredictionWriter
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
 USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError)
 
-# Model arguments that say how to evaluate, not what was trained: a checkpoint's values never replace them.
-EVALUATION_KEYS = ("eval_num_samples", "eval_temperature", "pass_k", "pass_threshold")
-
 
 class InterleaveTrainer(Trainer):
     """The Lightning Trainer plus `export`, so that `cli.py export` reads the same config as training."""
@@ -85,17 +82,19 @@ class InterleaveCLI(LightningCLI):
         hyperparameters are then read as those of any checkpoint named by its path.
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
-        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.eval_num_samples 8` would silently
-        evaluate with the training run's settings. How to evaluate belongs to this run: those keys keep its values.
+        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.evaluation.num_samples 8` would silently
+        evaluate with the training run's settings. How to evaluate (`model.evaluation`) belongs to this run: it keeps
+        its values. Checkpoints written before the model's settings were grouped are read in today's groups
+        (`settings.grouped_hparams`).
         """
         subcommand = self.config.get("subcommand")
         if subcommand:
             self._place_run(subcommand)
         model = self.config[subcommand]["model"] if subcommand else {}
-        keep = {key: model[key] for key in EVALUATION_KEYS if key in model}
+        evaluation = model.get("evaluation")
         super()._parse_ckpt_path()
-        for key, value in keep.items():
-            self.config[subcommand]["model"][key] = value
+        if evaluation is not None:
+            self.config[subcommand]["model"]["evaluation"] = evaluation
 
     def _place_run(self, subcommand: str) -> None:
         """One folder per run: a `fit` that continues a run of this config writes on into it, config included."""
@@ -123,7 +122,8 @@ class InterleaveCLI(LightningCLI):
         # the tiny model's tokenizer is built from the same corpus and template the data uses
         parser.link_arguments("data.corpus", "model.corpus")
         parser.link_arguments("data.template", "model.template")
-        parser.link_arguments("data.sft_steps", "model.sft_steps")  # the data schedules phases, the model their LR
+        # the data schedules the phases, the model their learning rates
+        parser.link_arguments("data.sft_steps", "model.optimization.sft_steps")
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")

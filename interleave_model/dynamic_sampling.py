@@ -48,7 +48,7 @@ def refill(module: InterleaveGRPO, batch: dict, trajectory: Trajectory) -> tuple
         The trajectory to train on, as many groups as `trajectory`, and counters: groups dropped, refill rounds
         run, groups kept with some reward variance.
     """
-    G = module.hparams.num_generations
+    G = module.sampling.num_generations
     n_groups = trajectory.rewards.numel() // G
     trainer = module.trainer
     k = batches_run(trainer)  # index of this batch in the training stream

@@ -43,7 +43,7 @@ class RankReport(L.Callback):
         report = {
             "curriculum": curriculum.state_dict(),
             "datamodule": trainer.datamodule.state_dict(),
-            "temperature": pl_module.hparams.temperature,
+            "temperature": pl_module.sampling.temperature,
             "metrics": metrics,
             "weights": [weights.sum().item(), weights.abs().sum().item()],
             "global_step": trainer.global_step,
@@ -136,7 +136,9 @@ class ScriptedGRPO(InterleaveGRPO):
         )
 
     def configure_optimizers(self):
-        return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+        return torch.optim.SGD(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=self.optimization.learning_rate
+        )
 
     def grpo_step(self, trajectory):
         stats = super().grpo_step(trajectory)

@@ -238,7 +238,7 @@ def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_modul
         head = fused_head(module.policy) if fused else None
         with patch("interleave_model.logprobs.fused_head", lambda model: head):
             logprobs, entropy = completion_logprobs(
-                module.policy, ids, attention, completion, module.hparams.temperature, with_entropy=True
+                module.policy, ids, attention, completion, module.sampling.temperature, with_entropy=True
             )
         keep = attention[:, -5:].bool()
         (logprobs * keep).sum().backward()
