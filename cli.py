@@ -22,13 +22,11 @@ from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
 from interleave_model.preflight import report
 from interleave_model.runs import RunError, config_filename, place_run
+from interleave_model.settings import grouped_hparams
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
 USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError)
-
-# Model arguments that say how to evaluate, not what was trained: a checkpoint's values never replace them.
-EVALUATION_KEYS = ("eval_num_samples", "eval_temperature", "pass_k", "pass_threshold")
 
 
 class InterleaveTrainer(Trainer):
@@ -92,10 +90,14 @@ class InterleaveCLI(CompatCLI):
         """The checkpoint's hyperparameters build the model, except the evaluation settings.
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
-        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.eval_num_samples 8` would silently
-        evaluate with the training run's settings. How to evaluate belongs to this run: those keys keep its values.
+        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.evaluation.num_samples 8` would silently
+        evaluate with the training run's settings. How to evaluate (`model.evaluation`) belongs to this run: it keeps
+        its values. Checkpoints written before the model's settings were grouped are read in today's groups
+        (`settings.grouped_hparams`).
         """
-        return {key: value for key, value in super().checkpoint_hparams(hparams).items() if key not in EVALUATION_KEYS}
+        hparams = grouped_hparams(super().checkpoint_hparams(hparams))
+        hparams.pop("evaluation", None)
+        return hparams
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
         """The step progress bar unless the config turns bars off or names its own; always the console summary, last."""
@@ -114,7 +116,8 @@ class InterleaveCLI(CompatCLI):
         # the tiny model's tokenizer is built from the same corpus and template the data uses
         parser.link_arguments("data.corpus", "model.corpus")
         parser.link_arguments("data.template", "model.template")
-        parser.link_arguments("data.sft_steps", "model.sft_steps")  # the data schedules phases, the model their LR
+        # the data schedules the phases, the model their learning rates
+        parser.link_arguments("data.sft_steps", "model.optimization.sft_steps")
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")

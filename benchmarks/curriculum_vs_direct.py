@@ -39,6 +39,7 @@ from interleave_model.callbacks import CurriculumCallback
 from interleave_model.dynamic_sampling import DynamicSampling
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TinyModelConfig
+from interleave_model.settings import grouped_hparams
 
 
 class Recorder(L.Callback):
@@ -85,7 +86,7 @@ def _module(args, **overrides) -> InterleaveGRPO:
         sft_learning_rate=args.sft_learning_rate, lr_schedule="constant", warmup_steps=20, beta=0.04,
         seed=args.model_seed,
     )  # fmt: skip
-    return InterleaveGRPO(**(kwargs | overrides))
+    return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
 
 def _datamodule(args, stages, **overrides) -> InterleaveDataModule:

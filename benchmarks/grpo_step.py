@@ -147,6 +147,7 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_model.module import InterleaveGRPO
     from interleave_model.policy import LoraSettings, TinyModelConfig
+    from interleave_model.settings import Loss, Optimization, Sampling
 
     shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                             intermediate_size=args.mlp)  # fmt: skip
@@ -157,12 +158,9 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
         dtype=args.dtype,
         lora=LoraSettings(r=args.lora_r) if args.lora else None,
         gradient_checkpointing=args.gradient_checkpointing,
-        num_generations=args.generations,
-        beta=args.beta,
-        max_new_tokens=args.max_new_tokens,
-        learning_rate=1e-4,
-        lr_schedule="constant",
-        micro_batch_size=args.micro_batch_size,
+        sampling=Sampling(num_generations=args.generations, max_new_tokens=args.max_new_tokens),
+        loss=Loss(beta=args.beta),
+        optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
     )
     data = InterleaveDataModule(stages=[words], train_pairs=args.pairs, val_pairs=0, test_pairs=0,
                                 template=args.template, batch_size=args.prompts, cache_dir=cache_dir)  # fmt: skip

@@ -153,7 +153,7 @@ class CurriculumCallback(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.state.temperature is not None:
-            pl_module.hparams.temperature = self.state.temperature
+            pl_module.sampling.temperature = self.state.temperature
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -268,7 +268,7 @@ class CurriculumCallback(L.Callback):
             f"collapse at {n} words: stuck groups (all G rewards equal, below {stage.threshold}) made up "
             f">= {self.collapse_share:.0%} of the batch for {self.collapse_patience} batches (reward {reward:.3f})"
         )
-        temperature = pl_module.hparams.temperature
+        temperature = pl_module.sampling.temperature
         if state.responses[n] > self.max_collapse_responses:
             self._stop(trainer, what, f"{self.max_collapse_responses} responses at this length did not help")
         elif self.on_collapse == "stop":
@@ -278,7 +278,7 @@ class CurriculumCallback(L.Callback):
                 self._stop(trainer, what, f"the temperature is already at max_temperature={self.max_temperature}")
                 return
             state.temperature = min(temperature + self.temperature_step, self.max_temperature)
-            pl_module.hparams.temperature = state.temperature
+            pl_module.sampling.temperature = state.temperature
             self._note(trainer, "raise_temperature", n, n, f"{what}; temperature {temperature} -> {state.temperature}")
         elif state.stage_index == 0:
             self._stop(trainer, what, "there is no earlier stage to step back to")

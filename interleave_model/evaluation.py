@@ -60,12 +60,12 @@ def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
         ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
     """
     if num_samples < 0:
-        raise ValueError(f"model.eval_num_samples must be >= 0, got {num_samples}")
+        raise ValueError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
     if num_samples == 0:
         return []
     ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
     if not ks or ks[0] < 1 or ks[-1] > num_samples:
-        raise ValueError(f"model.pass_k must be in [1, eval_num_samples={num_samples}], got {ks}")
+        raise ValueError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
     return ks
 
 

@@ -5,17 +5,26 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from dataclasses import asdict
 from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor
 
 from interleave_data.datamodule import batches_run
-from interleave_model import evaluation, grpo
+from interleave_model import grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
+from interleave_model.evaluation import (
+    eval_seed,
+    length_rows,
+    logged_values,
+    prediction_records,
+    resolve_pass_k,
+    score_batch,
+)
 from interleave_model.logprobs import completion_logits, completion_logprobs, sft_inputs
 from interleave_model.policy import (
     TINY,
@@ -35,7 +44,8 @@ from interleave_model.records import StepRecord, Trajectory, trajectory_stats
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
-from interleave_model.schedule import LrSchedule, phase_learning_rate
+from interleave_model.schedule import phase_learning_rate
+from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group, grouped_hparams
 from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -62,43 +72,18 @@ class InterleaveGRPO(L.LightningModule):
         disable_dropout: Set every dropout of the policy (adapter included) to 0, as TRL does by default: the ratio
             then compares equal forwards, and is exactly 1 at a rollout's first update.
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
-        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
-        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL).
-        top_p: Nucleus sampling mass.
-        top_k: Keep the k most likely tokens; 0 keeps all.
-        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
-        budget_margin: Share of the longest target's token length added to the automatic budget.
-        beta: KL coefficient; 0 skips the reference forward entirely.
-        kl_estimator: "k1", "k2" or "k3". As a loss term k1's expected gradient is zero (see `grpo.kl_divergence`),
-            so `beta > 0` with k1 warns.
-        epsilon: Lower clip of the ratio (1 - epsilon).
-        epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
-        num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
-        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level: the tokens of all
-            ranks).
-        max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
-            None means `max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's longest
-            completion would reweight every token by how long its batch happened to run.
-        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
-        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        sampling: How the training rollout samples: num_generations (G), temperature, top_p, top_k, max_new_tokens,
+            budget_margin (`settings.Sampling`).
+        loss: The GRPO objective: beta, kl_estimator, epsilon, epsilon_high, num_iterations, loss_type,
+            max_completion_length, scale_rewards, advantage_estimator (`settings.Loss`).
         rewards: Reward functions with weights; the alignment score alone by default.
-        learning_rate: Peak learning rate of the GRPO phase.
-        sft_learning_rate: Peak learning rate of the supervised warm-start phase.
-        weight_decay: AdamW weight decay.
-        warmup_steps: Linear warm-up steps.
-        lr_schedule: Schedule of the GRPO phase after warm-up: "cosine" (to 10% at trainer.max_steps) or "constant".
-            The SFT phase always decays by a cosine over its own `sft_steps`.
-        sft_steps: Supervised warm-start steps before GRPO (linked from `data.sft_steps`, which schedules the data).
-        max_grad_norm: Gradient clipping norm; 0 disables.
-        micro_batch_size: Rows per forward in the update (gradient accumulation inside a step); None = all rows.
+        optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, sft_steps (linked
+            from `data.sft_steps`), max_grad_norm, micro_batch_size (`settings.Optimization`).
         dynamic_sampling: Drop zero-variance groups and refill from extra prompts (DAPO); None (default) = off.
         init_from: Start from the weights of an earlier run: its `.ckpt`, or a stage folder it exported
             (`<run>/stages/<N>words`, a full model or a LoRA adapter). Optimizer and curriculum start afresh.
-        eval_num_samples: Answers sampled per prompt in validation / test for pass@k and diversity (n); 0 = greedy
-            only. Sampled with `eval_temperature`, `top_p` and `top_k`, seeded by `seed`, the length and the batch.
-        eval_temperature: Sampling temperature of those answers.
-        pass_k: The k of each pass@k reported, each <= eval_num_samples; None means [1, eval_num_samples].
-        pass_threshold: Alignment score a sampled answer needs to count as correct for pass@k; 1.0 = exact match.
+        evaluation: How validation, test and predict answer: num_samples, temperature, pass_k, pass_threshold
+            (`settings.Evaluation`); `validate --ckpt_path` keeps the command's values, not the checkpoint's.
         rollout_engine: "own" (the project's sampler, `rollout.py`) or "vllm" (colocated vLLM, `vllm_engine.py`),
             used by training, validation, test and predict alike.
         vllm: The vLLM engine's options (memory share, max model length, eager mode, sleep mode).
@@ -117,55 +102,30 @@ class InterleaveGRPO(L.LightningModule):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         seed: int = 0,
-        num_generations: int = 8,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int | None = None,
-        budget_margin: float = 0.25,
-        beta: float = 0.04,
-        kl_estimator: grpo.KlEstimator = "k3",
-        epsilon: float = 0.2,
-        epsilon_high: float | None = None,
-        num_iterations: int = 1,
-        loss_type: grpo.LossType = "grpo",
-        max_completion_length: int | None = None,
-        scale_rewards: grpo.ScaleRewards = "group",
-        advantage_estimator: grpo.AdvantageEstimator = "grpo",
+        sampling: Sampling = Sampling(),
+        loss: Loss = Loss(),
         rewards: list[RewardFunction] | None = None,
-        learning_rate: float = 1e-5,
-        sft_learning_rate: float = 1e-3,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 0,
-        lr_schedule: LrSchedule = "cosine",
-        sft_steps: int = 0,
-        max_grad_norm: float = 1.0,
-        micro_batch_size: int | None = None,
+        optimization: Optimization = Optimization(),
         dynamic_sampling: DynamicSampling | None = None,
         init_from: str | None = None,
-        eval_num_samples: int = 0,
-        eval_temperature: float = 1.0,
-        pass_k: list[int] | None = None,
-        pass_threshold: float = 1.0,
+        evaluation: Evaluation = Evaluation(),
         rollout_engine: Literal["own", "vllm"] = "own",
         vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()
-        if num_generations < 2:
-            raise ValueError(f"model.num_generations must be >= 2 for group-relative advantages, got {num_generations}")
-        if max_completion_length is not None and max_completion_length < 1:
-            raise ValueError(f"model.max_completion_length must be >= 1, got {max_completion_length}")
-        if loss_type == "dr_grpo" and (max_completion_length or max_new_tokens) is None:
-            raise ValueError("model.loss_type: dr_grpo needs model.max_completion_length (or a fixed max_new_tokens)")
-        if kl_estimator == "k1" and beta > 0:
-            rank_zero_warn(
-                "model.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
-                "use k3 (or k2)"
+        # fresh copies (the defaults are shared, and the curriculum changes the temperature); a checkpoint's are dicts
+        sampling, loss = as_group(Sampling, sampling), as_group(Loss, loss)
+        optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
+        if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
+            raise ValueError(
+                "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
+                "(or a fixed model.sampling.max_new_tokens)"
             )
-        self.pass_k = evaluation.resolve_pass_k(eval_num_samples, pass_k)
-        if rollout_engine not in ("own", "vllm"):
-            raise ValueError(f"model.rollout_engine must be 'own' or 'vllm', got {rollout_engine!r}")
+        self.pass_k = resolve_pass_k(evaluation.num_samples, evaluation.pass_k)
         self.save_hyperparameters(ignore=["rewards"])
+        # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
+        self.sampling, self.loss, self.optimization, self.evaluation = sampling, loss, optimization, evaluation
+        self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
         # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
@@ -180,17 +140,27 @@ class InterleaveGRPO(L.LightningModule):
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
         self.metrics = torch.nn.ModuleDict()  # length -> AlignmentScore of greedy answers
-        self.sample_metrics = torch.nn.ModuleDict()  # length -> SampledAnswers (when eval_num_samples > 0)
+        self.sample_metrics = torch.nn.ModuleDict()  # length -> SampledAnswers (when evaluation.num_samples > 0)
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
-            self.policy, self.tokenizer, self.stop_ids, rollout_engine, top_p, top_k, max_new_tokens, budget_margin,
-            model_name_or_path, vllm, seed,
-        )  # fmt: skip
+            self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, model_name_or_path, vllm, seed
+        )
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
         self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs) -> InterleaveGRPO:
+        """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too.
+
+        Its flat settings (`temperature`, `eval_num_samples`, ...) are put into their groups
+        (`settings.grouped_hparams`) and passed as the groups; keyword arguments still win.
+        """
+        hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
+        groups = {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
+        return super().load_from_checkpoint(checkpoint_path, *args, **(groups | kwargs))
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -207,7 +177,9 @@ class InterleaveGRPO(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(params, lr=self.hparams.learning_rate, weight_decay=self.hparams.weight_decay)
+        return torch.optim.AdamW(
+            params, lr=self.optimization.learning_rate, weight_decay=self.optimization.weight_decay
+        )
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         record = None
@@ -215,7 +187,7 @@ class InterleaveGRPO(L.LightningModule):
             stats = self.sft_step(batch)
         else:
             trajectory, stats = self.generate_trajectory(batch)
-            roll, G = trajectory.rollout, self.hparams.num_generations
+            roll, G = trajectory.rollout, self.sampling.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
             if self.hparams.dynamic_sampling is not None:
                 trajectory, counts = refill(
@@ -223,12 +195,12 @@ class InterleaveGRPO(L.LightningModule):
                     self.hparams.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id,
                 )  # fmt: skip
                 stats |= counts
-            if self.hparams.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
+            if self.loss.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
                 advantages = batch_scaled_advantages(
-                    trajectory.rewards, G, self.hparams.advantage_estimator, self._sum_over_ranks
+                    trajectory.rewards, G, self.loss.advantage_estimator, self._sum_over_ranks
                 )
                 trajectory = trajectory._replace(advantages=advantages)
-            for _ in range(self.hparams.num_iterations):
+            for _ in range(self.loss.num_iterations):
                 stats |= self.grpo_step(trajectory)
         self.log_dict(stats, batch_size=len(batch["targets"]))
         # replayed rows come last in a batch; its stage is its longest length
@@ -249,8 +221,8 @@ class InterleaveGRPO(L.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
-        groups = self._sampled(batch, batch_idx) if self.hparams.eval_num_samples else None
-        return evaluation.prediction_records(batch, self.greedy(batch), groups)
+        groups = self._sampled(batch, batch_idx) if self.evaluation.num_samples else None
+        return prediction_records(batch, self.greedy(batch), groups)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
@@ -266,16 +238,16 @@ class InterleaveGRPO(L.LightningModule):
 
     def generate_trajectory(self, batch: dict) -> tuple[Trajectory, dict[str, float]]:
         """Sample G completions per prompt, score them, and compute advantages and fixed log-probs."""
-        hp = self.hparams
-        G = hp.num_generations
+        sampling, loss = self.sampling, self.loss
+        G = sampling.num_generations
         started = time.perf_counter()
         with eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
-            roll = self._rollout(batch, G, hp.temperature, self._generator())
+            roll = self._rollout(batch, G, sampling.temperature, self._generator())
         rolled = time.perf_counter()
         targets = [t for t in batch["targets"] for _ in range(G)]
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
-        advantages = grpo.group_advantages(rewards, G, hp.scale_rewards, hp.advantage_estimator)  # [P*G]
+        advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
         scored = time.perf_counter()
 
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
@@ -283,9 +255,9 @@ class InterleaveGRPO(L.LightningModule):
         with torch.no_grad():
             # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
             old = None
-            if hp.num_iterations > 1:
+            if loss.num_iterations > 1:
                 old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
-            ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if hp.beta > 0 else None
+            ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if loss.beta > 0 else None
             gap = None
             if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
                 trainer = (
@@ -304,13 +276,13 @@ class InterleaveGRPO(L.LightningModule):
 
     def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
         """One clipped policy-gradient update on a trajectory, in micro-batches of rows."""
-        hp = self.hparams
+        loss, temperature = self.loss, self.sampling.temperature
         started = time.perf_counter()
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
         total_tokens = mask.sum().clamp(min=1.0)
         num_tokens = None
-        if hp.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
+        if loss.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         optimizer = self.optimizers()
@@ -318,21 +290,22 @@ class InterleaveGRPO(L.LightningModule):
         for rows in self._row_chunks(n_rows):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
             logprobs, entropy = completion_logprobs(
-                self.policy, ids, attention, trajectory.completion_ids[rows], hp.temperature, with_entropy=True
+                self.policy, ids, attention, trajectory.completion_ids[rows], temperature, with_entropy=True
             )  # [n, C] each
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
             out = grpo.policy_loss(
-                logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=hp.epsilon,
-                epsilon_high=hp.epsilon_high, ref_logprobs=ref, beta=hp.beta, kl_estimator=hp.kl_estimator,
-                loss_type=hp.loss_type, max_completion_length=hp.max_completion_length or hp.max_new_tokens,
+                logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=loss.epsilon,
+                epsilon_high=loss.epsilon_high, ref_logprobs=ref, beta=loss.beta, kl_estimator=loss.kl_estimator,
+                loss_type=loss.loss_type,
+                max_completion_length=loss.max_completion_length or self.sampling.max_new_tokens,
                 num_tokens=num_tokens,
                 importance_weights=self.sampler.importance_weights(trajectory.rollout, old, rows),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
-            share = 1.0 if hp.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
+            share = 1.0 if loss.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
             self.manual_backward(out.loss * share)
             entropy = grpo.masked_mean(entropy, mask[rows])
             totals["loss"] += out.loss.item() * share
@@ -383,30 +356,29 @@ class InterleaveGRPO(L.LightningModule):
 
     def _evaluate(self, batch: dict, batch_idx: int) -> None:
         """Greedy answers (then sampled ones, for pass@k) into the length's metrics."""
-        hp, greedy = self.hparams, self.greedy(batch)
-        groups = self._sampled(batch, batch_idx) if hp.eval_num_samples else None
-        evaluation.score_batch(
-            self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, hp.pass_threshold, self.device
-        )
+        greedy = self.greedy(batch)
+        groups = self._sampled(batch, batch_idx) if self.evaluation.num_samples else None
+        threshold = self.evaluation.pass_threshold
+        score_batch(self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, threshold, self.device)
 
     def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
-        """`eval_num_samples` answers per prompt at `eval_temperature`, from an RNG of their own (`eval_seed`)."""
-        n = self.hparams.eval_num_samples
-        seed = evaluation.eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
+        """`evaluation.num_samples` answers per prompt at its temperature, from an RNG of their own (`eval_seed`)."""
+        n = self.evaluation.num_samples
+        seed = eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
         generator = torch.Generator(device=self.device).manual_seed(seed)
-        texts = self._rollout(batch, n, self.hparams.eval_temperature, generator).texts
+        texts = self._rollout(batch, n, self.evaluation.temperature, generator).texts
         return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
 
     def _log_metrics(self, prefix: str) -> None:
         """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
-        rows = evaluation.length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
-        for name, value in evaluation.logged_values(rows, prefix).items():
+        rows = length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
+        for name, value in logged_values(rows, prefix).items():
             # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
             self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        temperature, chunks = self.hparams.temperature, []
+        temperature, chunks = self.sampling.temperature, []
         for rows in self._row_chunks(input_ids.shape[0]):
             ids, attention = input_ids[rows], attention_mask[rows]
             chunks.append(completion_logprobs(model, ids, attention, completion_ids[rows], temperature)[0])
@@ -425,7 +397,7 @@ class InterleaveGRPO(L.LightningModule):
         return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
 
     def _row_chunks(self, n_rows: int) -> list[slice]:
-        size = self.hparams.micro_batch_size or n_rows
+        size = self.optimization.micro_batch_size or n_rows
         return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
     def _step_optimizer(self, loss: float, phase: str) -> None:
@@ -439,10 +411,10 @@ class InterleaveGRPO(L.LightningModule):
             self._skip_step(optimizer)
             optimizer.step()
             return
-        hp = self.hparams
+        opt = self.optimization
         lr = phase_learning_rate(
-            phase, self.global_step, self.trainer.max_steps, hp.learning_rate, hp.sft_learning_rate, hp.warmup_steps,
-            hp.sft_steps, hp.lr_schedule,
+            phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate, opt.warmup_steps,
+            opt.sft_steps, opt.lr_schedule,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -463,8 +435,9 @@ class InterleaveGRPO(L.LightningModule):
             return
         if skip:
             self._skip_step(optimizer)
-        elif self.hparams.max_grad_norm:
-            self.clip_gradients(optimizer, gradient_clip_val=self.hparams.max_grad_norm, gradient_clip_algorithm="norm")
+        elif self.optimization.max_grad_norm:
+            norm = self.optimization.max_grad_norm
+            self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
 
     def _skip_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the gradients, so the coming `step()` is counted but moves nothing, and count the skip.

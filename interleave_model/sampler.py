@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from interleave_model.policy import TINY
 from interleave_model.rollout import Rollout, rollout, token_budget
+from interleave_model.settings import Sampling
 from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
 
 
@@ -25,10 +26,8 @@ class Sampler:
         tokenizer: Its tokenizer (counts the targets' tokens for the budget).
         stop_ids: The ids that end a completion.
         engine: "own" or "vllm".
-        top_p: Nucleus sampling mass.
-        top_k: Keep the k most likely tokens; 0 keeps all.
-        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
-        budget_margin: Share of the longest target's token length added to the automatic budget.
+        sampling: top_p, top_k and the token budget (`max_new_tokens`, `budget_margin`); the temperature comes with
+            each call (training and evaluation sample at their own).
         model_name_or_path: The folder or hub name vLLM loads the model from; the tiny model is handed over in memory.
         vllm: The vLLM engine's options.
         seed: Seed of the vLLM engine, offset by the rank.
@@ -40,17 +39,13 @@ class Sampler:
         tokenizer: PreTrainedTokenizerBase,
         stop_ids: list[int],
         engine: Literal["own", "vllm"] = "own",
-        top_p: float = 1.0,
-        top_k: int = 0,
-        max_new_tokens: int | None = None,
-        budget_margin: float = 0.25,
+        sampling: Sampling | None = None,
         model_name_or_path: str = TINY,
         vllm: VllmSettings | None = None,
         seed: int = 0,
     ) -> None:
         self.policy, self.tokenizer, self.stop_ids = policy, tokenizer, stop_ids
-        self.kind, self.top_p, self.top_k = engine, top_p, top_k
-        self.max_new_tokens, self.budget_margin = max_new_tokens, budget_margin
+        self.kind, self.sampling = engine, sampling or Sampling()
         self.model_path = None if model_name_or_path == TINY else model_name_or_path
         self.vllm, self.seed = vllm, seed
         self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
@@ -71,7 +66,7 @@ class Sampler:
         `sleep` hands the engine's KV memory to the update after sampling (sleep mode on a GPU).
         """
         kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["targets"]),
-                  "temperature": temperature, "top_p": self.top_p, "top_k": self.top_k,
+                  "temperature": temperature, "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
                   "generator": generator}  # fmt: skip
         if self.kind == "own":
             return rollout(
@@ -87,15 +82,15 @@ class Sampler:
         """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
         lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
         needed = max(lengths) + 1  # + EOS
-        fixed = self.max_new_tokens
+        fixed = self.sampling.max_new_tokens
         if fixed is not None:
             if fixed < needed:
                 raise ValueError(
-                    f"model.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
+                    f"model.sampling.max_new_tokens={fixed} cannot hold a {needed}-token answer of this stage; "
                     "raise it or leave it null to size the budget from the targets"
                 )
             return fixed
-        return token_budget(lengths, margin=self.budget_margin)
+        return token_budget(lengths, margin=self.sampling.budget_margin)
 
     def importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
         """The truncated importance weights of these rows when the engine sampled them and the correction is on."""

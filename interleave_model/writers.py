@@ -152,16 +152,16 @@ def _model_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, A
 
 
 def _generation_info(pl_module: L.LightningModule) -> dict[str, Any]:
-    hp = pl_module.hparams
+    sampling, evaluation = pl_module.sampling, pl_module.evaluation
     return {
-        "max_new_tokens": hp.get("max_new_tokens"),
-        "budget_margin": hp.get("budget_margin"),
-        "num_samples": hp.get("eval_num_samples", 0),
-        "temperature": hp.get("eval_temperature"),
-        "top_p": hp.get("top_p"),
-        "top_k": hp.get("top_k"),
+        "max_new_tokens": sampling.max_new_tokens,
+        "budget_margin": sampling.budget_margin,
+        "num_samples": evaluation.num_samples,
+        "temperature": evaluation.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
         "pass_k": getattr(pl_module, "pass_k", []),
-        "pass_threshold": hp.get("pass_threshold"),
+        "pass_threshold": evaluation.pass_threshold,
     }
 
 

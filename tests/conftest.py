@@ -30,13 +30,18 @@ def one_thread():
 
 @pytest.fixture
 def make_module():
-    """Build an `InterleaveGRPO` around a 1-layer, 32-wide tiny Llama; keyword arguments override the defaults."""
+    """Build an `InterleaveGRPO` around a 1-layer, 32-wide tiny Llama; keyword arguments override the defaults.
+
+    Settings may be named flat (`temperature=0.9`): they go into their groups as an older checkpoint's do
+    (`settings.grouped_hparams`), which keeps the tests short and that path always exercised.
+    """
     from interleave_model.module import InterleaveGRPO
     from interleave_model.policy import TinyModelConfig
+    from interleave_model.settings import grouped_hparams
 
     def make(**overrides):
         kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "num_generations": 2}
-        return InterleaveGRPO(**(kwargs | overrides))
+        return InterleaveGRPO(**grouped_hparams(kwargs | overrides))
 
     return make
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main, run
@@ -48,16 +49,30 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
     assert len(error) == 1 and "num_generationz" in error[0]
 
 
-@pytest.mark.parametrize(
-    "key", ["loss_type", "kl_estimator", "scale_rewards", "advantage_estimator", "lr_schedule", "rollout_engine"]
-)
+CHOICES = ["loss.loss_type", "loss.kl_estimator", "loss.scale_rewards", "loss.advantage_estimator",
+           "optimization.lr_schedule", "rollout_engine"]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", CHOICES)
 def test_a_mistyped_choice_is_refused_when_the_config_is_parsed(key, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["fit", "--config", str(TINY_CONFIG), f"--model.{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
     assert exit_.value.code == 2
-    error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(error) == 1 and f"model.{key}" in error[0]
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if "error:" in line]
+    assert len(error) == 1 and f"model.{key}" in error[0] and "Got value: grp0" in err
     assert not any(tmp_path.iterdir())  # refused before anything was built: no run folder
+
+
+def test_a_mistyped_choice_in_a_config_file_is_refused_too(tmp_path, capsys):
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("model:\n  loss:\n    loss_type: grp0\n")
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(TINY_CONFIG), "--config", str(typo), f"--trainer.default_root_dir={tmp_path}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    error = [line for line in err.splitlines() if "error:" in line]
+    assert len(error) == 1 and "model.loss.loss_type" in error[0] and "Got value: grp0" in err
 
 
 def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
@@ -68,3 +83,26 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: model.init_from: {missing} does not exist"]
+
+
+def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):
+    """A checkpoint written before the settings were grouped: its flat values still build the model."""
+    from tests.model.test_settings import _flatten
+
+    _, fit_root = fitted
+    checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
+    checkpoint["hyper_parameters"] = _flatten(checkpoint["hyper_parameters"])
+    checkpoint["hyper_parameters"]["top_k"] = 7  # a value no config below names
+    old = tmp_path / "flat.ckpt"
+    torch.save(checkpoint, old)
+    common = ["--config", str(TINY_CONFIG), f"--ckpt_path={old}", f"--trainer.default_root_dir={tmp_path / 'runs'}"]
+
+    evaluated = main(
+        ["validate", *common, "--model.optimization.learning_rate=0.5", "--model.evaluation.num_samples=2"]
+    )
+    model = evaluated.model
+    assert model.sampling.top_k == 7 and model.optimization.learning_rate == 0.001  # the checkpoint's values win
+    assert model.evaluation.num_samples == 2  # except how to evaluate, which is this command's
+
+    resumed = main(["fit", *common, "--trainer.max_steps=5"])
+    assert resumed.model.sampling.top_k == 7 and resumed.trainer.global_step == 5

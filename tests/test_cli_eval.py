@@ -32,7 +32,7 @@ def _args(command: str, root: Path, *extra: str) -> list[str]:
 
 def test_validate_a_checkpoint_writes_the_report(run):
     root, checkpoint = run
-    cli = main(_args("validate", root, f"--ckpt_path={checkpoint}", "--model.eval_num_samples=2"))
+    cli = main(_args("validate", root, f"--ckpt_path={checkpoint}", "--model.evaluation.num_samples=2"))
 
     report = json.loads((Path(cli.trainer.log_dir) / "eval" / "report.json").read_text())
     assert report["split"] == "val"
@@ -64,7 +64,7 @@ def test_predict_to_a_chosen_file_with_samples(run, tmp_path):
     root, checkpoint = run
     out = tmp_path / "out" / "preds.jsonl"
     main(_args("predict", root, f"--ckpt_path={checkpoint}", f"--predictions.output_path={out}",
-               "--model.eval_num_samples=2", "--data.eval_stages=[4]"))  # fmt: skip
+               "--model.evaluation.num_samples=2", "--data.eval_stages=[4]"))  # fmt: skip
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(records) == 4 and all(len(r["samples"]) == len(r["sample_scores"]) == 2 for r in records)
 
@@ -101,7 +101,7 @@ def test_eval_config_evaluates_an_untrained_model(tmp_path):
     """configs/eval.yaml as shipped (the untrained tiny model), cut down to one short length."""
     cli = main(["validate", "--config", str(EVAL_CONFIG), f"--trainer.logger.init_args.save_dir={tmp_path}",
                 "--data.stages=[4]", "--data.val_pairs=2", f"--data.cache_dir={tmp_path / 'cache'}",
-                "--model.eval_num_samples=2", "--model.pass_k=[1, 2]"])  # fmt: skip
+                "--model.evaluation.num_samples=2", "--model.evaluation.pass_k=[1, 2]"])  # fmt: skip
     report = json.loads((Path(cli.trainer.log_dir) / "eval" / "report.json").read_text())
     assert Path(cli.trainer.log_dir).parent.name == "eval"
     assert report["data"]["template"] == "two_processes" and report["generation"]["pass_k"] == [1, 2]

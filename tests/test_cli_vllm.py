@@ -48,7 +48,7 @@ def fitted(tmp_path_factory, folder):
     torch.set_num_threads(1)
     # a high warm-start rate moves the weights enough to change the greedy answers (and show a missed sync)
     # and the importance-sampling correction runs through grpo_step
-    cli = main(_args("fit", root, folder, "--model.sft_learning_rate=0.05",
+    cli = main(_args("fit", root, folder, "--model.optimization.sft_learning_rate=0.05",
                      "--model.vllm.importance_sampling_correction=true", *ENGINE))  # fmt: skip
     (checkpoint,) = root.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     return cli, root, checkpoint

@@ -25,6 +25,7 @@ from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TinyModelConfig
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import Rollout
+from interleave_model.settings import Loss, Optimization, Sampling
 from tests.conftest import TINY_CONFIG, TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ class RankReport(L.Callback):
         report = {
             "curriculum": curriculum.state_dict(),
             "datamodule": trainer.datamodule.state_dict(),
-            "temperature": pl_module.hparams.temperature,
+            "temperature": pl_module.sampling.temperature,
             "metrics": metrics,
             "weights": [weights.sum().item(), weights.abs().sum().item()],
             "global_step": trainer.global_step,
@@ -136,7 +137,9 @@ class ScriptedGRPO(InterleaveGRPO):
         )
 
     def configure_optimizers(self):
-        return torch.optim.SGD([p for p in self.policy.parameters() if p.requires_grad], lr=self.hparams.learning_rate)
+        return torch.optim.SGD(
+            [p for p in self.policy.parameters() if p.requires_grad], lr=self.optimization.learning_rate
+        )
 
     def grpo_step(self, trajectory):
         stats = super().grpo_step(trajectory)
@@ -157,8 +160,9 @@ def _collate(items: list[int]) -> dict:
 
 def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[dict]]:
     module = ScriptedGRPO(
-        tiny=TinyModelConfig(**TINY_SHAPE), template="compact", num_generations=2, beta=0.0, loss_type="dapo",
-        scale_rewards="batch", rewards=[ScriptedReward()], learning_rate=0.5, lr_schedule="constant", max_grad_norm=0,
+        tiny=TinyModelConfig(**TINY_SHAPE), template="compact", rewards=[ScriptedReward()],
+        sampling=Sampling(num_generations=2), loss=Loss(beta=0.0, loss_type="dapo", scale_rewards="batch"),
+        optimization=Optimization(learning_rate=0.5, lr_schedule="constant", max_grad_norm=0),
     )  # fmt: skip
     module.record_dir = str(record_dir)
     record_dir.mkdir()

@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -25,6 +24,7 @@ from interleave_model.policy import LoraSettings, PolicyError
 from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import Rollout
+from interleave_model.settings import Sampling
 
 G = 2
 
@@ -51,7 +51,7 @@ class _Trainer:
         self.callback_metrics = {}
         self.logged = {}
         self.module = SimpleNamespace(
-            hparams=AttributeDict(temperature=1.0), device=torch.device("cpu"),
+            sampling=Sampling(temperature=1.0, num_generations=2), device=torch.device("cpu"),
             log_dict=lambda values, batch_size: self.logged.update(values),
         )  # fmt: skip
 
@@ -169,10 +169,10 @@ def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):
 
     for _ in range(2):
         trainer.batch([cb], [STUCK, GOOD], [4, 4])  # half the groups stuck: a collapsed batch
-    assert trainer.module.hparams.temperature == 1.25 and cb.state.temperature == 1.25
+    assert trainer.module.sampling.temperature == 1.25 and cb.state.temperature == 1.25
     for _ in range(2):
         trainer.batch([cb], [STUCK, [0.3, 0.3]], [4, 4])
-    assert trainer.module.hparams.temperature == 1.5
+    assert trainer.module.sampling.temperature == 1.5
     assert not trainer.should_stop
     for _ in range(2):
         trainer.batch([cb], [STUCK, STUCK], [4, 4])
@@ -231,10 +231,10 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
     restored = CurriculumCallback(**({"export": False} | kwargs))
     restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False)["curriculum"])
     restored.setup(trainer, trainer.module, "fit")
-    trainer.module.hparams.temperature = 1.0
+    trainer.module.sampling.temperature = 1.0
     restored.on_train_start(trainer, trainer.module)
 
-    assert restored.state == cb.state and trainer.module.hparams.temperature == 1.25
+    assert restored.state == cb.state and trainer.module.sampling.temperature == 1.25
     trainer.batch([restored], [GOOD], [4])
     assert trainer.datamodule.moves == [(1, 8)]  # the third batch at 0.95
 

@@ -53,7 +53,7 @@ def test_resolve_pass_k():
     assert resolve_pass_k(8, None) == [1, 8]
     assert resolve_pass_k(1, None) == [1]
     assert resolve_pass_k(8, [4, 1, 4]) == [1, 4]
-    with pytest.raises(ValueError, match="eval_num_samples=4"):
+    with pytest.raises(ValueError, match="num_samples=4"):
         resolve_pass_k(4, [1, 8])
     with pytest.raises(ValueError, match=">= 0"):
         resolve_pass_k(-1, None)

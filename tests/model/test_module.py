@@ -138,7 +138,7 @@ def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_da
 
 
 def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_module, make_datamodule, monkeypatch):
-    with pytest.raises(ValueError, match=r"dr_grpo needs model\.max_completion_length"):
+    with pytest.raises(ValueError, match=r"dr_grpo needs model\.loss\.max_completion_length"):
         make_module(loss_type="dr_grpo")  # at construction, not after a warm-start
     make_module(loss_type="dr_grpo", max_new_tokens=24)  # a fixed budget is the constant
     seen, policy_loss = [], grpo.policy_loss

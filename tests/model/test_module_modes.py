@@ -16,11 +16,12 @@ import interleave_model.sampler as sampler_py
 from interleave_model import grpo
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import LoraSettings, frozen_copy
+from interleave_model.settings import grouped_hparams
 
 
 def _module(folder, **overrides) -> InterleaveGRPO:
     kwargs = {"model_name_or_path": str(folder), "template": "compact", "num_generations": 2, "beta": 0.0}
-    return InterleaveGRPO(**(kwargs | overrides))
+    return InterleaveGRPO(**grouped_hparams(kwargs | overrides))
 
 
 def _fit_one_grpo_step(module, make_datamodule) -> None:

@@ -12,6 +12,7 @@ from cli import main, run
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
 from interleave_model.preflight import preflight
+from interleave_model.settings import Sampling
 from tests.conftest import TINY_CONFIG
 
 
@@ -81,7 +82,8 @@ def test_bad_model_folder_is_one_line_and_exit_2_before_any_training_step(case, 
 
 @pytest.fixture
 def llama3_module(family_folders):
-    return InterleaveGRPO(model_name_or_path=str(family_folders["llama3"]), template="compact", num_generations=2)
+    folder = str(family_folders["llama3"])
+    return InterleaveGRPO(model_name_or_path=folder, template="compact", sampling=Sampling(num_generations=2))
 
 
 def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, make_datamodule):

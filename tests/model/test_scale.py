@@ -39,7 +39,7 @@ LLAMA_3_2_3B = {
     "rms_norm_eps": 1e-5,
 }
 CONFIG = yaml.safe_load((Path(__file__).parents[2] / "configs" / "llama-3.2-3b.yaml").read_text())
-GROUP = CONFIG["model"]["num_generations"]  # 16
+GROUP = CONFIG["model"]["sampling"]["num_generations"]  # 16
 WORDS = 500  # the last curriculum stage
 TOKENS_PER_WORD = 1.35  # Llama-3's tokenizer on English prose; interleaving keeps words whole, so about the same
 TEMPLATE_TOKENS = 140  # the "two_processes" instruction plus the chat template around it
@@ -160,7 +160,7 @@ def test_memory_plan_at_group_16_and_500_words_fits_one_80gb_gpu(llama_3b_lora):
     fixed = plan["weights_bf16"] + plan["lora_weights_grads_adam_fp32"]
     rollout = fixed + CONFIG["data"]["batch_size"] * plan["rollout_kv_cache"]  # 4 groups: 28 GiB
     per_row = (plan["update_checkpoints"] + plan["update_one_layer_recomputed"]) / GROUP
-    update = fixed + CONFIG["model"]["micro_batch_size"] * per_row + plan["fused_head_tiles"]  # 22 GiB
+    update = fixed + CONFIG["model"]["optimization"]["micro_batch_size"] * per_row + plan["fused_head_tiles"]  # 22 GiB
     assert max(rollout, update) < 40  # the config's comments: a 40 GB A100 fits it, an 80 GB H100 has room
 
 
@@ -243,7 +243,7 @@ def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_modul
         head = fused_head(module.policy) if fused else None
         with patch("interleave_model.logprobs.fused_head", lambda model: head):
             logprobs, entropy = completion_logprobs(
-                module.policy, ids, attention, completion, module.hparams.temperature, with_entropy=True
+                module.policy, ids, attention, completion, module.sampling.temperature, with_entropy=True
             )
         keep = attention[:, -5:].bool()
         (logprobs * keep).sum().backward()

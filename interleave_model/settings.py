@@ -1,0 +1,189 @@
+"""The model's training and evaluation settings, in four groups, with TRL's names where TRL has the knob.
+
+```yaml
+model:
+  sampling:      {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
+  loss:          {beta: 0.04, kl_estimator: k3, epsilon: 0.2, loss_type: grpo, scale_rewards: group, ...}
+  optimization:  {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
+  evaluation:    {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
+```
+
+Checkpoints written before the groups existed hold the same settings flat (`temperature`, `eval_num_samples`, ...);
+`grouped_hparams` puts them into their groups, so those checkpoints still load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_warn
+
+from interleave_model.evaluation import resolve_pass_k
+from interleave_model.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
+from interleave_model.schedule import LrSchedule
+
+
+@dataclass
+class Sampling:
+    """How the training rollout samples (`model.sampling`).
+
+    Args:
+        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
+        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL). A curriculum's
+            "raise_temperature" response changes it during training.
+        top_p: Nucleus sampling mass.
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        budget_margin: Share of the longest target's token length added to the automatic budget.
+    """
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None
+    budget_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(
+                f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
+            )
+
+
+@dataclass
+class Loss:
+    """The GRPO objective (`model.loss`).
+
+    Args:
+        beta: KL coefficient; 0 skips the reference forward entirely.
+        kl_estimator: "k1", "k2" or "k3". As a loss term k1's expected gradient is zero (see `grpo.kl_divergence`),
+            so `beta > 0` with k1 warns.
+        epsilon: Lower clip of the ratio (1 - epsilon).
+        epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
+        num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
+        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level: the tokens of all
+            ranks).
+        max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
+            None means `sampling.max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's
+            longest completion would reweight every token by how long its batch happened to run.
+        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
+        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+    """
+
+    beta: float = 0.04
+    kl_estimator: KlEstimator = "k3"
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    num_iterations: int = 1
+    loss_type: LossType = "grpo"
+    max_completion_length: int | None = None
+    scale_rewards: ScaleRewards = "group"
+    advantage_estimator: AdvantageEstimator = "grpo"
+
+    def __post_init__(self) -> None:
+        if self.max_completion_length is not None and self.max_completion_length < 1:
+            raise ValueError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
+        if self.num_iterations < 1:
+            raise ValueError(f"model.loss.num_iterations must be >= 1, got {self.num_iterations}")
+        if self.kl_estimator == "k1" and self.beta > 0:
+            rank_zero_warn(
+                "model.loss.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises "
+                "nothing; use k3 (or k2)"
+            )
+
+
+@dataclass
+class Optimization:
+    """The optimizer and its schedule (`model.optimization`).
+
+    Args:
+        learning_rate: Peak learning rate of the GRPO phase.
+        sft_learning_rate: Peak learning rate of the supervised warm-start phase.
+        weight_decay: AdamW weight decay.
+        warmup_steps: Linear warm-up steps, at the start of each phase.
+        lr_schedule: Schedule of the GRPO phase after warm-up: "cosine" (to 10% at trainer.max_steps) or "constant".
+            The SFT phase always decays by a cosine over its own `sft_steps`.
+        sft_steps: Supervised warm-start steps before GRPO (linked from `data.sft_steps`, which schedules the data).
+        max_grad_norm: Gradient clipping norm; 0 disables.
+        micro_batch_size: Rows per forward in the update (gradient accumulation inside a step); None = all rows.
+    """
+
+    learning_rate: float = 1e-5
+    sft_learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    lr_schedule: LrSchedule = "cosine"
+    sft_steps: int = 0
+    max_grad_norm: float = 1.0
+    micro_batch_size: int | None = None
+
+
+@dataclass
+class Evaluation:
+    """How validation, test and predict answer (`model.evaluation`); greedy answers are always scored.
+
+    These describe the evaluation, not the training: `validate --ckpt_path` keeps the command's values, never the
+    checkpoint's.
+
+    Args:
+        num_samples: Answers sampled per prompt for pass@k and diversity (n); 0 = greedy only. Sampled with
+            `temperature` and `sampling.top_p` / `sampling.top_k`, seeded by the seed, the length and the batch.
+        temperature: Sampling temperature of those answers.
+        pass_k: The k of each pass@k reported, each <= num_samples; None means [1, num_samples].
+        pass_threshold: Alignment score a sampled answer needs to count as correct for pass@k; 1.0 = exact match.
+    """
+
+    num_samples: int = 0
+    temperature: float = 1.0
+    pass_k: list[int] | None = None
+    pass_threshold: float = 1.0
+
+    def __post_init__(self) -> None:
+        resolve_pass_k(self.num_samples, self.pass_k)  # a k outside [1, num_samples] is refused when built
+
+
+GROUPS: dict[str, type] = {"sampling": Sampling, "loss": Loss, "optimization": Optimization, "evaluation": Evaluation}
+
+# `flat name -> (group, field)`: the names of checkpoints written before the groups existed.
+FLAT_NAMES = {
+    field.name: (group, field.name) for group in ("sampling", "loss", "optimization") for field in fields(GROUPS[group])
+} | {
+    "eval_num_samples": ("evaluation", "num_samples"),
+    "eval_temperature": ("evaluation", "temperature"),
+    "pass_k": ("evaluation", "pass_k"),
+    "pass_threshold": ("evaluation", "pass_threshold"),
+}
+
+
+def as_group(cls: type, value: Any) -> Any:
+    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
+    if value is None:
+        return cls()
+    if isinstance(value, dict):
+        return cls(**value)
+    return cls(**{field.name: getattr(value, field.name) for field in fields(cls)})
+
+
+def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups.
+
+    Hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
+    """
+    flat = {key: hparams[key] for key in FLAT_NAMES if key in hparams}
+    if not flat:
+        return dict(hparams)
+    out = {key: value for key, value in hparams.items() if key not in flat}
+    for key, value in flat.items():
+        group, name = FLAT_NAMES[key]
+        current = out.get(group)
+        values = dict(current) if isinstance(current, dict) else _as_dict(GROUPS[group], current)
+        out[group] = values | {name: value}
+    return out
+
+
+def _as_dict(cls: type, value: Any) -> dict[str, Any]:
+    if value is None:
+        return {}
+    return {field.name: getattr(value, field.name) for field in fields(cls)}

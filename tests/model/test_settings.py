@@ -1,0 +1,97 @@
+"""The model's settings in four groups, and checkpoints written before the groups existed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import lightning as L
+import pytest
+import torch
+
+from interleave_model.module import InterleaveGRPO
+from interleave_model.settings import FLAT_NAMES, GROUPS, Evaluation, Loss, Optimization, Sampling, grouped_hparams
+
+# The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them
+# must find its group, or an older checkpoint would silently lose it.
+FLAT_BEFORE = [
+    "num_generations", "temperature", "top_p", "top_k", "max_new_tokens", "budget_margin", "beta", "kl_estimator",
+    "epsilon", "epsilon_high", "num_iterations", "loss_type", "max_completion_length", "scale_rewards",
+    "advantage_estimator", "learning_rate", "sft_learning_rate", "weight_decay", "warmup_steps", "lr_schedule",
+    "sft_steps", "max_grad_norm", "micro_batch_size", "eval_num_samples", "eval_temperature", "pass_k",
+    "pass_threshold",
+]  # fmt: skip
+
+
+def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_name():
+    assert sorted(FLAT_NAMES) == sorted(FLAT_BEFORE)
+    fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
+    assert set(FLAT_NAMES.values()) == fields
+
+
+def test_flat_settings_go_into_their_groups_and_the_rest_stays():
+    flat = {"seed": 3, "temperature": 0.7, "eval_temperature": 0.3, "beta": 0.0, "learning_rate": 2e-4, "pass_k": [1]}
+    assert grouped_hparams(flat) == {
+        "seed": 3,
+        "sampling": {"temperature": 0.7},
+        "evaluation": {"temperature": 0.3, "pass_k": [1]},
+        "loss": {"beta": 0.0},
+        "optimization": {"learning_rate": 2e-4},
+    }
+
+
+def test_grouped_settings_come_back_unchanged():
+    grouped = {"seed": 1, "sampling": {"num_generations": 4}, "loss": asdict(Loss(beta=0.1))}
+    assert grouped_hparams(grouped) == grouped
+
+
+def test_each_group_checks_its_own_values_when_built():
+    with pytest.raises(ValueError, match=r"model\.sampling\.num_generations must be >= 2"):
+        Sampling(num_generations=1)
+    with pytest.raises(ValueError, match=r"model\.loss\.max_completion_length must be >= 1"):
+        Loss(max_completion_length=0)
+    with pytest.raises(ValueError, match=r"model\.evaluation\.pass_k must be in \[1, num_samples=2\]"):
+        Evaluation(num_samples=2, pass_k=[3])
+    with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
+        Loss(kl_estimator="k1", beta=0.04)
+
+
+def test_hparams_hold_plain_dicts_and_the_module_typed_copies(make_module):
+    module = make_module(temperature=0.9, learning_rate=0.5, eval_num_samples=2)
+    assert module.sampling == Sampling(num_generations=2, temperature=0.9)
+    assert module.optimization == Optimization(learning_rate=0.5)
+    assert module.evaluation == Evaluation(num_samples=2) and module.pass_k == [1, 2]
+    # plain data: a checkpoint's hyperparameters load with weights_only=True and parse back into a config
+    assert module.hparams.sampling == asdict(module.sampling) and isinstance(module.hparams.loss, dict)
+
+
+def test_the_default_groups_are_never_shared_between_modules(make_module):
+    first, second = InterleaveGRPO(tiny=make_module().hparams.tiny), make_module()
+    first.sampling.temperature = 1.5  # what a curriculum's raise_temperature does
+    assert second.sampling.temperature == 1.0 and Sampling().temperature == 1.0
+
+
+def _flatten(hparams: dict) -> dict:
+    """A checkpoint's grouped hyperparameters, written as the code before the groups wrote them."""
+    flat = {key: value for key, value in hparams.items() if key not in GROUPS}
+    for old, (group, name) in FLAT_NAMES.items():
+        flat[old] = hparams[group][name]
+    return flat
+
+
+def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
+    module = make_module(temperature=0.7, top_k=5, beta=0.0, learning_rate=0.03, eval_temperature=0.2)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=0)
+    trainer.strategy.connect(module)
+    path = tmp_path / "grouped.ckpt"
+    trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    checkpoint["hyper_parameters"] = _flatten(checkpoint["hyper_parameters"])
+    assert "temperature" in checkpoint["hyper_parameters"] and "sampling" not in checkpoint["hyper_parameters"]
+    torch.save(checkpoint, tmp_path / "flat.ckpt")
+
+    loaded = InterleaveGRPO.load_from_checkpoint(tmp_path / "flat.ckpt")
+    assert (loaded.sampling, loaded.loss) == (module.sampling, module.loss)
+    assert (loaded.optimization, loaded.evaluation) == (module.optimization, module.evaluation)
+    assert loaded.sampling.top_k == 5 and loaded.evaluation.temperature == 0.2
+    weights = module.state_dict()
+    assert all(torch.equal(value, weights[key]) for key, value in loaded.state_dict().items())
