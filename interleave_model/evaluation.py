@@ -175,58 +175,67 @@ def eval_seed(seed: int, n_words: int, batch_idx: int, rank: int) -> int:
     return random.Random(f"{seed}:eval:{n_words}:{batch_idx}:{rank}").getrandbits(63)
 
 
-def score_batch(
-    metrics: torch.nn.ModuleDict,
-    sample_metrics: torch.nn.ModuleDict,
-    batch: dict,
-    greedy: list[str],
-    groups: list[list[str]] | None,
-    ks: Sequence[int],
-    threshold: float,
-    device: torch.device,
-) -> None:
-    """Greedy answers into the length's `AlignmentScore`; sampled groups (if any) into its `SampledAnswers`.
+class Evaluator(torch.nn.Module):
+    """The per-length metrics of validation and test: greedy answers' `AlignmentScore`, sampled ones' `SampledAnswers`.
 
     Args:
-        metrics: Length (a str) -> `AlignmentScore`; a new length gets one.
-        sample_metrics: Length (a str) -> `SampledAnswers`; a new length gets one.
-        batch: One evaluation batch, all of one length (`n_words`, `targets`).
-        greedy: One greedy answer per prompt.
-        groups: The sampled answers, one group per prompt, or None.
-        ks: The k of each pass@k.
-        threshold: Alignment score a sampled answer needs to count as correct.
-        device: Where new metrics keep their states.
+        settings: How to evaluate (`model.evaluation`: samples per prompt, their temperature, pass@k, threshold).
+        seed: The run's seed; with the length, the batch and the rank it seeds the sampled answers (`eval_seed`).
     """
-    length = str(batch["n_words"][0])
-    if length not in metrics:
-        metrics[length] = AlignmentScore().to(device)
-    metrics[length].update(greedy, batch["targets"])
-    if groups is not None:
-        if length not in sample_metrics:
-            sample_metrics[length] = SampledAnswers(ks, threshold=threshold).to(device)
-        sample_metrics[length].update(groups, batch["targets"])
 
+    def __init__(self, settings, seed: int) -> None:
+        super().__init__()
+        self.settings, self.seed = settings, seed
+        self.pass_k = resolve_pass_k(settings.num_samples, settings.pass_k)
+        self.metrics = torch.nn.ModuleDict()  # length (a str) -> AlignmentScore of greedy answers
+        self.sample_metrics = torch.nn.ModuleDict()  # length -> SampledAnswers (when num_samples > 0)
 
-def length_rows(
-    metrics: torch.nn.ModuleDict, sample_metrics: torch.nn.ModuleDict, sum_over_ranks: Callable[[Tensor], Tensor]
-) -> list[dict[str, float | int]]:
-    """The table of an evaluation, one `length_row` per length that saw pairs; every metric is reset.
+    def answers(
+        self, batch: dict, batch_idx: int, rank: int, device: torch.device, sample: Callable[..., list[str]]
+    ) -> tuple[list[str], list[list[str]] | None]:
+        """One greedy answer per prompt, and `num_samples` sampled ones per prompt (None when 0).
 
-    Every rank runs this: the pair counts are summed over ranks and the metrics synced, so all ranks get the same
-    table.
-    """
-    rows = []
-    for length in sorted(metrics, key=int):
-        greedy = metrics[length]
-        pairs = int(sum_over_ranks(greedy.pairs).item())
-        sampled = sample_metrics[length] if length in sample_metrics else None
-        if pairs:
-            values = sampled.compute_all() if sampled is not None else None
-            rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
-        greedy.reset()
-        if sampled is not None:
-            sampled.reset()
-    return rows
+        `sample(batch, n, temperature, generator)` gives n answers per prompt, group-major; the sampled ones come
+        from a generator of their own (`eval_seed`), so they never move the training sampler's stream.
+        """
+        n = self.settings.num_samples
+        groups = None
+        if n:
+            seed = eval_seed(self.seed, batch["n_words"][0], batch_idx, rank)
+            texts = sample(batch, n, self.settings.temperature, torch.Generator(device=device).manual_seed(seed))
+            groups = [texts[i : i + n] for i in range(0, len(texts), n)]
+        return sample(batch, 1, 0.0, None), groups
+
+    def update(self, batch: dict, greedy: list[str], groups: list[list[str]] | None, device: torch.device) -> None:
+        """Greedy answers into the length's `AlignmentScore`; sampled groups (if any) into its `SampledAnswers`."""
+        length = str(batch["n_words"][0])
+        if length not in self.metrics:
+            self.metrics[length] = AlignmentScore().to(device)
+        self.metrics[length].update(greedy, batch["targets"])
+        if groups is not None:
+            if length not in self.sample_metrics:
+                metric = SampledAnswers(self.pass_k, threshold=self.settings.pass_threshold)
+                self.sample_metrics[length] = metric.to(device)
+            self.sample_metrics[length].update(groups, batch["targets"])
+
+    def table(self, sum_over_ranks: Callable[[Tensor], Tensor]) -> list[dict[str, float | int]]:
+        """The table of an evaluation, one `length_row` per length that saw pairs; every metric is reset.
+
+        Every rank runs this: the pair counts are summed over ranks and the metrics synced, so all ranks get the same
+        table.
+        """
+        rows = []
+        for length in sorted(self.metrics, key=int):
+            greedy = self.metrics[length]
+            pairs = int(sum_over_ranks(greedy.pairs).item())
+            sampled = self.sample_metrics[length] if length in self.sample_metrics else None
+            if pairs:
+                values = sampled.compute_all() if sampled is not None else None
+                rows.append(length_row(int(length), pairs, greedy.compute_all(), values))
+            greedy.reset()
+            if sampled is not None:
+                sampled.reset()
+        return rows
 
 
 def logged_values(rows: Sequence[Mapping[str, float | int]], prefix: str) -> dict[str, float]:

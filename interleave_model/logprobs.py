@@ -325,3 +325,25 @@ def sft_inputs(tokenizer: PreTrainedTokenizerBase, batch: dict, device: torch.de
     input_ids = torch.cat([batch["prompt_ids"], answer_ids], dim=1)  # [B, Lp+T]
     attention_mask = torch.cat([batch["prompt_mask"], (labels != -100).long()], dim=1)  # [B, Lp+T]
     return input_ids, attention_mask, labels
+
+
+def row_chunks(n_rows: int, size: int | None) -> list[slice]:
+    """Slices of at most `size` rows (`micro_batch_size`) covering `n_rows`; None means one slice of all."""
+    size = size or n_rows
+    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+
+def chunked_completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_ids: Tensor,
+    temperature: float,
+    micro_batch_size: int | None,
+) -> Tensor:
+    """`completion_logprobs` (without entropies) taken `micro_batch_size` rows at a time: [N, C]."""
+    chunks = [
+        completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows], temperature)[0]
+        for rows in row_chunks(input_ids.shape[0], micro_batch_size)
+    ]
+    return torch.cat(chunks)  # [N, C]

@@ -17,15 +17,14 @@ from interleave_data.datamodule import batches_run
 from interleave_model import grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
-from interleave_model.evaluation import (
-    eval_seed,
-    length_rows,
-    logged_values,
-    prediction_records,
-    resolve_pass_k,
-    score_batch,
+from interleave_model.evaluation import Evaluator, logged_values, prediction_records
+from interleave_model.logprobs import (
+    chunked_completion_logprobs,
+    completion_logits,
+    completion_logprobs,
+    row_chunks,
+    sft_inputs,
 )
-from interleave_model.logprobs import completion_logits, completion_logprobs, sft_inputs
 from interleave_model.policy import (
     TINY,
     LoraSettings,
@@ -45,7 +44,7 @@ from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
 from interleave_model.schedule import phase_learning_rate
-from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group, grouped_hparams
+from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group, checkpoint_groups
 from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -121,7 +120,6 @@ class InterleaveGRPO(L.LightningModule):
                 "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
                 "(or a fixed model.sampling.max_new_tokens)"
             )
-        self.pass_k = resolve_pass_k(evaluation.num_samples, evaluation.pass_k)
         self.save_hyperparameters(ignore=["rewards"])
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
         self.sampling, self.loss, self.optimization, self.evaluation = sampling, loss, optimization, evaluation
@@ -139,8 +137,7 @@ class InterleaveGRPO(L.LightningModule):
         prepare_for_training(self.policy, disable_dropout, gradient_checkpointing)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
-        self.metrics = torch.nn.ModuleDict()  # length -> AlignmentScore of greedy answers
-        self.sample_metrics = torch.nn.ModuleDict()  # length -> SampledAnswers (when evaluation.num_samples > 0)
+        self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.skipped_steps = 0
         self._rng: torch.Generator | None = None
@@ -155,12 +152,10 @@ class InterleaveGRPO(L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs) -> InterleaveGRPO:
         """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too.
 
-        Its flat settings (`temperature`, `eval_num_samples`, ...) are put into their groups
-        (`settings.grouped_hparams`) and passed as the groups; keyword arguments still win.
+        Its flat settings (`temperature`, `eval_num_samples`, ...) go into their groups (`settings.checkpoint_groups`);
+        keyword arguments still win.
         """
-        hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
-        groups = {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
-        return super().load_from_checkpoint(checkpoint_path, *args, **(groups | kwargs))
+        return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -208,10 +203,10 @@ class InterleaveGRPO(L.LightningModule):
         return {"record": record}
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, batch_idx)
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
 
     def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self._evaluate(batch, batch_idx)
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
 
     def on_validation_epoch_end(self) -> None:
         self._log_metrics("val")
@@ -221,8 +216,7 @@ class InterleaveGRPO(L.LightningModule):
 
     def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
-        groups = self._sampled(batch, batch_idx) if self.evaluation.num_samples else None
-        return prediction_records(batch, self.greedy(batch), groups)
+        return prediction_records(batch, *self._answers(batch, batch_idx))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
@@ -287,7 +281,7 @@ class InterleaveGRPO(L.LightningModule):
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        for rows in self._row_chunks(n_rows):
+        for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
             logprobs, entropy = completion_logprobs(
                 self.policy, ids, attention, trajectory.completion_ids[rows], temperature, with_entropy=True
@@ -354,35 +348,25 @@ class InterleaveGRPO(L.LightningModule):
 
         return draw
 
-    def _evaluate(self, batch: dict, batch_idx: int) -> None:
-        """Greedy answers (then sampled ones, for pass@k) into the length's metrics."""
-        greedy = self.greedy(batch)
-        groups = self._sampled(batch, batch_idx) if self.evaluation.num_samples else None
-        threshold = self.evaluation.pass_threshold
-        score_batch(self.metrics, self.sample_metrics, batch, greedy, groups, self.pass_k, threshold, self.device)
+    def _answers(self, batch: dict, batch_idx: int) -> tuple[list[str], list[list[str]] | None]:
+        """Greedy answers and, with `evaluation.num_samples`, sampled ones (`Evaluator.answers`)."""
 
-    def _sampled(self, batch: dict, batch_idx: int) -> list[list[str]]:
-        """`evaluation.num_samples` answers per prompt at its temperature, from an RNG of their own (`eval_seed`)."""
-        n = self.evaluation.num_samples
-        seed = eval_seed(self.hparams.seed, batch["n_words"][0], batch_idx, self.global_rank)
-        generator = torch.Generator(device=self.device).manual_seed(seed)
-        texts = self._rollout(batch, n, self.evaluation.temperature, generator).texts
-        return [texts[i : i + n] for i in range(0, len(texts), n)]  # group-major: n answers per prompt
+        def sample(batch: dict, n: int, temperature: float, generator: torch.Generator | None) -> list[str]:
+            return self._rollout(batch, n, temperature, generator).texts
+
+        return self.evaluator.answers(batch, batch_idx, self.global_rank, self.device, sample)
 
     def _log_metrics(self, prefix: str) -> None:
         """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
-        rows = length_rows(self.metrics, self.sample_metrics, self._sum_over_ranks)
+        rows = self.evaluator.table(self._sum_over_ranks)
         for name, value in logged_values(rows, prefix).items():
             # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
             self.log(name, value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        temperature, chunks = self.sampling.temperature, []
-        for rows in self._row_chunks(input_ids.shape[0]):
-            ids, attention = input_ids[rows], attention_mask[rows]
-            chunks.append(completion_logprobs(model, ids, attention, completion_ids[rows], temperature)[0])
-        return torch.cat(chunks)  # [N, C]
+        temperature, size = self.sampling.temperature, self.optimization.micro_batch_size
+        return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size)
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
         """Log-probs under the reference; without LoRA its frozen copy is taken now, as GRPO starts (after SFT)."""
@@ -395,10 +379,6 @@ class InterleaveGRPO(L.LightningModule):
     def _sum_over_ranks(self, x: Tensor) -> Tensor:
         """The sum of a tensor over all ranks (the tensor itself on one process)."""
         return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
-
-    def _row_chunks(self, n_rows: int) -> list[slice]:
-        size = self.optimization.micro_batch_size or n_rows
-        return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
 
     def _step_optimizer(self, loss: float, phase: str) -> None:
         """Set the scheduled rate and step, unless the loss is not finite (then skip, count and log).

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from interleave_model.evaluation import resolve_pass_k
@@ -187,3 +188,9 @@ def _as_dict(cls: type, value: Any) -> dict[str, Any]:
     if value is None:
         return {}
     return {field.name: getattr(value, field.name) for field in fields(cls)}
+
+
+def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
+    """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
+    hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
+    return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}

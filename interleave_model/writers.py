@@ -160,7 +160,7 @@ def _generation_info(pl_module: L.LightningModule) -> dict[str, Any]:
         "temperature": evaluation.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
-        "pass_k": getattr(pl_module, "pass_k", []),
+        "pass_k": pl_module.evaluator.pass_k,
         "pass_threshold": evaluation.pass_threshold,
     }
 

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+import interleave_model.logprobs as logprobs_py
 import interleave_model.module as module_py
 import interleave_model.sampler as sampler_py
 from interleave_model import grpo
@@ -64,7 +65,8 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
         return logprobs(model, *args, **kwargs)
 
     monkeypatch.setattr(sampler_py, "rollout", recording_rollout)
-    monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)
+    monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)  # the update
+    monkeypatch.setattr(logprobs_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fit_one_grpo_step(module, make_datamodule)

@@ -59,7 +59,7 @@ def test_hparams_hold_plain_dicts_and_the_module_typed_copies(make_module):
     module = make_module(temperature=0.9, learning_rate=0.5, eval_num_samples=2)
     assert module.sampling == Sampling(num_generations=2, temperature=0.9)
     assert module.optimization == Optimization(learning_rate=0.5)
-    assert module.evaluation == Evaluation(num_samples=2) and module.pass_k == [1, 2]
+    assert module.evaluation == Evaluation(num_samples=2) and module.evaluator.pass_k == [1, 2]
     # plain data: a checkpoint's hyperparameters load with weights_only=True and parse back into a config
     assert module.hparams.sampling == asdict(module.sampling) and isinstance(module.hparams.loss, dict)
 
