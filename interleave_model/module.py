@@ -245,7 +245,6 @@ class InterleaveGRPO(L.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
-            datamodule.tokenizer = self.tokenizer
             preflight(self, datamodule)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
@@ -457,7 +456,7 @@ class InterleaveGRPO(L.LightningModule):
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
         """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k."""
-        kwargs = {"num_generations": num_generations, "max_new_tokens": self._budget(batch["targets"]),
+        kwargs = {"num_generations": num_generations, "max_new_tokens": self._budget(batch["target_ids"]),
                   "temperature": temperature, "top_p": self.hparams.top_p, "top_k": self.hparams.top_k,
                   "generator": generator}  # fmt: skip
         if self.hparams.rollout_engine == "own":
@@ -537,9 +536,9 @@ class InterleaveGRPO(L.LightningModule):
                     self.log(f"{prefix}/{name}_{row['n_words']}w", value, batch_size=1, sync_dist=True)
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
-    def _budget(self, targets: list[str]) -> int:
+    def _budget(self, target_ids: list[list[int]]) -> int:
         """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
-        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
+        lengths = [len(ids) for ids in target_ids]
         needed = max(lengths) + 1  # + EOS
         fixed = self.hparams.max_new_tokens
         if fixed is not None:
@@ -554,7 +553,7 @@ class InterleaveGRPO(L.LightningModule):
     def _sft_inputs(self, batch: dict) -> tuple[Tensor, Tensor, Tensor]:
         """Prompt + target + EOS, right-padded after the target; labels are -100 except on target and EOS tokens."""
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        answers = [ids + [eos] for ids in self.tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
+        answers = [ids + [eos] for ids in batch["target_ids"]]
         width = max(len(a) for a in answers)
         answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
         labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]
