@@ -49,14 +49,16 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "key", ["loss_type", "kl_estimator", "scale_rewards", "advantage_estimator", "lr_schedule", "rollout_engine"]
-)
+    "key",
+    ["model.loss_type", "model.kl_estimator", "model.scale_rewards", "model.advantage_estimator", "model.lr_schedule",
+     "model.rollout_engine", "data.curriculum.on_collapse"],
+)  # fmt: skip
 def test_a_mistyped_choice_is_refused_when_the_config_is_parsed(key, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(TINY_CONFIG), f"--model.{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
+        main(["fit", "--config", str(TINY_CONFIG), f"--{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
     assert exit_.value.code == 2
     error = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
-    assert len(error) == 1 and f"model.{key}" in error[0]
+    assert len(error) == 1 and key in error[0]
     assert not any(tmp_path.iterdir())  # refused before anything was built: no run folder
 
 
