@@ -8,6 +8,7 @@ before the curriculum sees them, so every rank decides the same thing at the sam
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -36,6 +37,7 @@ class CurriculumCallback(L.Callback):
     def __init__(self, export: bool = True) -> None:
         self.export = export
         self.curriculum: Curriculum | None = None
+        self.run_dir: Path | None = None
         self._trained = False
 
     @override
@@ -45,7 +47,8 @@ class CurriculumCallback(L.Callback):
         self.curriculum = getattr(trainer.datamodule, "curriculum", None)
         if self.curriculum is None:
             raise ValueError("CurriculumCallback needs the InterleaveDataModule (fit with datamodule=...)")
-        self.curriculum.exports = str(run_dir(trainer) / "stages") if self.export else None
+        self.run_dir = run_dir(trainer)  # on every rank: under DDP, trainer.log_dir is a collective
+        self.curriculum.exports = str(self.run_dir / "stages") if self.export else None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -86,8 +89,10 @@ class CurriculumCallback(L.Callback):
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
-        # Only checkpoints of git 35e5889 and earlier have an entry here; the DataModule has restored its part already
-        self.curriculum.load_legacy_state(callback=state_dict)
+        # Only checkpoints of git 35e5889 and earlier have an entry here; the DataModule has restored its part already.
+        # Outside fit (validate, test from such a checkpoint) there is no curriculum to restore.
+        if self.curriculum is not None:
+            self.curriculum.load_legacy_state(callback=state_dict)
 
     def _counts(self, record, trainer: L.Trainer, pl_module: L.LightningModule) -> StepCounts | None:
         """This batch's rows at the current stage, summed over ranks; None when the batch is at another stage."""
@@ -143,7 +148,7 @@ class CurriculumCallback(L.Callback):
         """The same folder as `cli.py export` writes: a HF model, or a peft adapter under LoRA."""
         if trainer.is_global_zero:
             source = {"stage_words": n_words, "global_step": trainer.global_step}
-            export(pl_module, run_dir(trainer) / "stages" / f"{n_words}words", source=source)
+            export(pl_module, self.run_dir / "stages" / f"{n_words}words", source=source)
 
 
 def set_temperature(pl_module: L.LightningModule, temperature: float) -> None:
