@@ -61,7 +61,6 @@ class InterleaveTrainer(Trainer):
         """
         datamodule.prepare_data()
         datamodule.setup("predict")
-        datamodule.tokenizer = model.tokenizer
         print("\n".join(report(model.to(self.strategy.root_device), datamodule)))
 
 
@@ -118,6 +117,8 @@ class InterleaveCLI(CompatCLI):
         parser.link_arguments("data.template", "model.template")
         # the data schedules the phases, the model their learning rates
         parser.link_arguments("data.sft_steps", "model.optimization.sft_steps")
+        # the model loads (or builds) the tokenizer, the data tokenizes with it; an object, not a config key
+        parser.link_arguments("model.tokenizer", "data.tokenizer", apply_on="instantiate")
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")

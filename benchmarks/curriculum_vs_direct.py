@@ -6,8 +6,9 @@ the first stage alone learns position shortcuts that give GRPO no foothold even 
 describe each batch as drawn, before any `--dynamic-sampling` refill.
 
 - `direct` trains at the long stage only, as a run started by hand there would;
-- `curriculum` moves through the stages with CurriculumCallback, whose collapse watch responds as configured
-  (`--on-collapse`, default step_back) and stops the arm after `--max-collapse-responses` responses at one length.
+- `curriculum` moves through the stages (`CurriculumSettings`, carried out by CurriculumCallback), whose collapse
+  watch responds as configured (`--on-collapse`, default step_back) and stops the arm after
+  `--max-collapse-responses` responses at one length.
 
 Reported per arm, in bins of `--bin` GRPO batches: the stage, the mean reward of the rows at the batch's stage, the
 share of zero-variance groups (all G rewards equal), of stuck groups (equal and below the threshold), of groups whose
@@ -34,9 +35,11 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.callbacks import CurriculumCallback
 from interleave_model.dynamic_sampling import DynamicSampling
+from interleave_model.grpo import zero_std_groups
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TinyModelConfig
 from interleave_model.settings import grouped_hparams
@@ -56,7 +59,7 @@ class Recorder(L.Callback):
         G, words = record.num_generations, max(record.n_words)
         at = [i for i, n in enumerate(record.n_words) if n == words]
         rewards = record.rewards.view(-1, G)[at]  # [P', G]
-        flat = (rewards == rewards[:, :1]).all(dim=1)  # [P']
+        flat = zero_std_groups(rewards.flatten(), G)  # [P']
         texts = [record.completions[i * G : (i + 1) * G] for i in at]
         self.rows.append(
             {
@@ -89,17 +92,18 @@ def _module(args, **overrides) -> InterleaveGRPO:
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
 
-def _datamodule(args, stages, **overrides) -> InterleaveDataModule:
+def _datamodule(args, stages, module: InterleaveGRPO, **overrides) -> InterleaveDataModule:
     kwargs = dict(
         stages=stages, template="compact", train_pairs=args.train_pairs, val_pairs=32, test_pairs=0,
         batch_size=args.batch_size, sft_batch_size=32, eval_batch_size=32, seed=args.seed, cache_dir=args.cache_dir,
+        tokenizer=module.tokenizer,
     )  # fmt: skip
     return InterleaveDataModule(**(kwargs | overrides))
 
 
 def held_out_score(module: InterleaveGRPO, args, n_words: int) -> float:
     """Greedy alignment score on held-out pairs at `n_words`."""
-    dm = _datamodule(args, [n_words], eval_stages=[n_words])
+    dm = _datamodule(args, [n_words], module, eval_stages=[n_words])
     metrics = _trainer(1, validate=True).validate(module, datamodule=dm, verbose=False)[0]
     return round(metrics[f"val/alignment_{n_words}w"], 4)
 
@@ -109,7 +113,7 @@ def warm_start(args, folder: Path) -> Path:
     L.seed_everything(args.seed, verbose=False)
     module = _module(args, sft_steps=args.sft_steps)
     trainer = _trainer(args.sft_steps)
-    dm = _datamodule(args, args.stages[:1], sft_steps=args.sft_steps, sft_stages=args.sft_stages)
+    dm = _datamodule(args, args.stages[:1], module, sft_steps=args.sft_steps, sft_stages=args.sft_stages)
     trainer.fit(module, datamodule=dm)
     path = folder / "warm.ckpt"
     trainer.save_checkpoint(path)
@@ -124,17 +128,15 @@ def run_arm(args, warm: Path, stages: list[int], curriculum: bool) -> dict:
     L.seed_everything(args.seed, verbose=False)
     dynamic = DynamicSampling(max_rounds=args.dynamic_sampling) if args.dynamic_sampling else None
     module = _module(args, init_from=str(warm), dynamic_sampling=dynamic)
-    dm = _datamodule(args, stages, replay_fraction=args.replay_fraction if curriculum else 0.0)
+    settings = CurriculumSettings(
+        threshold=args.threshold, patience=args.patience, min_steps=args.min_steps, window=args.patience,
+        collapse_patience=args.collapse_patience, on_collapse=args.on_collapse,
+        max_collapse_responses=args.max_collapse_responses,
+    )  # fmt: skip
+    replay = args.replay_fraction if curriculum else 0.0
+    dm = _datamodule(args, stages, module, replay_fraction=replay, curriculum=settings)
     recorder = Recorder(args.threshold)
-    callbacks: list[L.Callback] = [recorder]
-    if curriculum:
-        callbacks.append(
-            CurriculumCallback(
-                threshold=args.threshold, patience=args.patience, min_steps=args.min_steps, window=args.patience,
-                collapse_patience=args.collapse_patience, on_collapse=args.on_collapse,
-                max_collapse_responses=args.max_collapse_responses, export=False,
-            )
-        )  # fmt: skip
+    callbacks: list[L.Callback] = [recorder, CurriculumCallback(export=False)] if curriculum else [recorder]
     started = time.perf_counter()
     _trainer(args.grpo_steps, callbacks).fit(module, datamodule=dm)
     seconds = time.perf_counter() - started
@@ -167,7 +169,7 @@ def run_arm(args, warm: Path, stages: list[int], curriculum: bool) -> dict:
         "seconds": round(seconds, 1),
     }
     if curriculum:
-        state = next(c for c in callbacks if isinstance(c, CurriculumCallback)).state
+        state = dm.curriculum.state
         out["transitions"] = [{key: h[key] for key in ("kind", "to_words", "batch")} for h in state.history]
         out["stopped"] = state.stopped
     return out

@@ -163,7 +163,8 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
         optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
     )
     data = InterleaveDataModule(stages=[words], train_pairs=args.pairs, val_pairs=0, test_pairs=0,
-                                template=args.template, batch_size=args.prompts, cache_dir=cache_dir)  # fmt: skip
+                                template=args.template, batch_size=args.prompts, cache_dir=cache_dir,
+                                tokenizer=model.tokenizer)  # fmt: skip
     return model, data
 
 

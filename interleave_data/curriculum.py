@@ -1,65 +1,337 @@
-"""The curriculum as plain data: stage lengths, when to move on, and how much of earlier stages to replay."""
+"""The curriculum: stage lengths, replay, when a stage is learned, what to do when training collapses, and its state.
+
+Plain Python, no torch and no Lightning, so each decision is tested on its own: `Curriculum.observe` takes one GRPO
+batch's counts (`StepCounts`, already summed over ranks) and returns a `Decision`; the DataModule asks
+`Curriculum.draw_stage(k)` which stage batch k is drawn at, and checkpoints `state_dict()`.
+"""
+
+from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal, get_args
 
 from interleave_data.corpus import CorpusError
 from interleave_data.pairs import check_length
 
+OnCollapse = Literal["raise_temperature", "step_back", "stop"]
+DecisionKind = Literal["none", "advance", "step_back", "raise_temperature", "done", "stop"]
+
 
 @dataclass(frozen=True)
-class Stage:
-    """One curriculum stage.
+class CurriculumSettings:
+    """When a stage is learned and how a collapse is answered.
+
+    A stage is learned when, after `min_steps` GRPO batches at it, the rolling mean reward of its rows (over `window`
+    batches) has stayed at or above `threshold` for `patience` batches, and, if `val_threshold` is set, the last
+    validation score at its length reaches it. Training then moves to the next stage.
+
+    A group is stuck when its G rewards are all equal and below the stage's threshold (a group that is all correct
+    is solved, not collapsed). When stuck groups make up `collapse_share` of a batch's groups for `collapse_patience`
+    batches in a row, the curriculum responds with `on_collapse`. After `max_collapse_responses` responses at one
+    stage length, or when no response is left (at the temperature cap, or at the first stage), it stops training.
 
     Attributes:
-        n_words: Words per fragment.
-        threshold: Mean reward at which the stage counts as learned.
-        patience: Consecutive steps the reward must stay at or above ``threshold`` before moving on.
-        min_steps: Steps to spend in the stage before moving on is considered.
+        threshold: Rolling mean reward a stage needs; one value for all stages or one per stage.
+        patience: Consecutive batches at or above the threshold; one value or one per stage.
+        min_steps: GRPO batches at a stage before it may end; one value or one per stage.
+        window: Batches in the rolling mean reward.
+        val_threshold: Validation score at the stage's length also required to move on; None = not required.
+        collapse_share: Share of stuck groups that makes a batch count as collapsed, in (0, 1].
+        collapse_patience: Consecutive collapsed batches before a response.
+        on_collapse: "raise_temperature" (by `temperature_step`, up to `max_temperature`), "step_back" (to the
+            previous stage) or "stop" (end training with a message).
+        temperature_step: Added to the rollout temperature by each "raise_temperature" response.
+        max_temperature: Highest temperature "raise_temperature" goes to.
+        max_collapse_responses: Responses at one stage length before the run stops.
+        stop_when_done: Stop training when the last stage is learned.
     """
 
-    n_words: int
-    threshold: float = 0.9
-    patience: int = 20
-    min_steps: int = 50
-
-    def __post_init__(self):
-        check_length(self.n_words, "n_words")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise CorpusError(f"stage {self.n_words}: threshold must be in [0, 1], got {self.threshold}")
-        if self.patience < 1 or self.min_steps < 0:
-            raise CorpusError(
-                f"stage {self.n_words}: patience must be >= 1 and min_steps >= 0, got {self.patience}, {self.min_steps}"
-            )
+    threshold: float | list[float] = 0.9
+    patience: int | list[int] = 20
+    min_steps: int | list[int] = 50
+    window: int = 10
+    val_threshold: float | None = None
+    collapse_share: float = 0.8
+    collapse_patience: int = 10
+    on_collapse: OnCollapse = "raise_temperature"
+    temperature_step: float = 0.25
+    max_temperature: float = 1.5
+    max_collapse_responses: int = 3
+    stop_when_done: bool = False
 
 
 @dataclass(frozen=True)
+class StepCounts:
+    """One GRPO batch, over its rows at the current stage, summed over ranks.
+
+    Attributes:
+        reward: Mean reward of the rows.
+        zero_std_share: Share of groups whose G rewards are all equal.
+        stuck_share: Share of groups whose G rewards are all equal and below the stage's threshold.
+        distinct: Distinct completions per group.
+        temperature: The rollout temperature the batch was sampled at.
+        batch: Index of the batch in the training stream (for the history).
+        next_batch: First batch not drawn yet: a move takes effect there.
+        global_step: The trainer's step (for the history).
+    """
+
+    reward: float
+    zero_std_share: float
+    stuck_share: float
+    distinct: float
+    temperature: float
+    batch: int
+    next_batch: int
+    global_step: int
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the curriculum decided after a batch.
+
+    Attributes:
+        kind: "none", or the transition: "advance", "step_back", "raise_temperature", "done" or "stop".
+        rolling: The rolling mean reward it was decided on.
+        stage_index: The stage trained from now on.
+        temperature: The rollout temperature from now on; None = leave it as it is.
+        message: One line for the console and TensorBoard; empty when nothing happened.
+        export_words: The length of a stage just learned, to export; None = nothing to export.
+        stop: Training should end.
+    """
+
+    kind: DecisionKind
+    rolling: float
+    stage_index: int
+    temperature: float | None = None
+    message: str = ""
+    export_words: int | None = None
+    stop: bool = False
+
+
+@dataclass
+class CurriculumState:
+    """Everything the curriculum decides from; checkpointed, so a resumed run decides the same.
+
+    Attributes:
+        stage_index: The stage being trained; rows drawn at another stage (in flight at a move) are not counted.
+        steps: GRPO batches counted at this stage.
+        recent: Mean reward at this stage of the last `window` batches.
+        above: Consecutive batches whose rolling mean reward was at or above the stage's threshold.
+        collapsed: Consecutive batches whose share of stuck groups reached `collapse_share`.
+        val_score: The last validation score at this stage's length (None until one is seen at this stage).
+        temperature: The rollout temperature once a collapse response raised it, else None.
+        responses: Collapse responses so far, per stage length.
+        done: The last stage passed its threshold.
+        stopped: Why the curriculum stopped training, if it did.
+        history: One entry per transition (stage moves, temperature raises, the end).
+        drawn_index: The stage training batches are drawn at; it follows `stage_index` once pending moves apply.
+        moves: Pending moves `[from_batch, stage_index]`, in order.
+    """
+
+    stage_index: int = 0
+    steps: int = 0
+    recent: list[float] = field(default_factory=list)
+    above: int = 0
+    collapsed: int = 0
+    val_score: float | None = None
+    temperature: float | None = None
+    responses: dict[int, int] = field(default_factory=dict)
+    done: bool = False
+    stopped: str | None = None
+    history: list[dict] = field(default_factory=list)
+    drawn_index: int = 0
+    moves: list[list[int]] = field(default_factory=list)
+
+
 class Curriculum:
-    """Ordered stages of strictly increasing length.
+    """Stages of increasing length, the replay of earlier ones, and the decisions that move between them.
 
-    Attributes:
-        stages: The stages, shortest first.
-        replay_fraction: Share of each training batch drawn from earlier stages, in [0, 1).
+    Args:
+        stages: Lengths in words per fragment, strictly increasing.
+        replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
+        settings: Thresholds and the collapse policy.
     """
 
-    stages: tuple[Stage, ...]
-    replay_fraction: float = 0.0
-
-    def __post_init__(self):
-        object.__setattr__(self, "stages", tuple(self.stages))
-        check_lengths([stage.n_words for stage in self.stages], "stages")
-        if not 0.0 <= self.replay_fraction < 1.0:
-            raise CorpusError(f"replay_fraction must be in [0, 1), got {self.replay_fraction}")
-
-    @classmethod
-    def from_lengths(cls, lengths: Sequence[int], replay_fraction: float = 0.0, **stage_kwargs) -> "Curriculum":
-        """Builds a curriculum whose stages share ``stage_kwargs`` (threshold, patience, min_steps)."""
-        check_lengths(lengths, "stages")
-        return cls(tuple(Stage(n, **stage_kwargs) for n in lengths), replay_fraction)
+    def __init__(
+        self, stages: Sequence[int], replay_fraction: float = 0.0, settings: CurriculumSettings | None = None
+    ) -> None:
+        self.stages = check_lengths(stages, "stages")
+        if not 0.0 <= replay_fraction < 1.0:
+            raise CorpusError(f"replay_fraction must be in [0, 1), got {replay_fraction}")
+        self.replay_fraction = replay_fraction
+        self.settings = s = settings or CurriculumSettings()
+        self.thresholds = _per_stage(s.threshold, "threshold", self.stages)
+        self.patience = _per_stage(s.patience, "patience", self.stages)
+        self.min_steps = _per_stage(s.min_steps, "min_steps", self.stages)
+        if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
+            raise CorpusError(f"curriculum.threshold must be in [0, 1], got {s.threshold}")
+        if min(self.patience) < 1 or min(self.min_steps) < 0:
+            raise CorpusError(f"curriculum: need patience >= 1 and min_steps >= 0, got {s.patience}, {s.min_steps}")
+        if s.window < 1 or s.collapse_patience < 1 or s.max_collapse_responses < 1:
+            raise CorpusError("curriculum: window, collapse_patience and max_collapse_responses must be >= 1")
+        if s.on_collapse not in get_args(OnCollapse):
+            raise CorpusError(f"curriculum.on_collapse must be one of {get_args(OnCollapse)}, got {s.on_collapse!r}")
+        if not 0.0 < s.collapse_share <= 1.0:
+            raise CorpusError(f"curriculum.collapse_share must be in (0, 1], got {s.collapse_share}")
+        self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
+        self.state = CurriculumState()
 
     @property
-    def lengths(self) -> list[int]:
-        return [stage.n_words for stage in self.stages]
+    def stage_words(self) -> int:
+        """Words per fragment at the stage being trained."""
+        return self.stages[self.state.stage_index]
+
+    @property
+    def threshold(self) -> float:
+        """The reward the stage being trained needs."""
+        return self.thresholds[self.state.stage_index]
+
+    @property
+    def done(self) -> bool:
+        return self.state.done
+
+    @property
+    def rolling(self) -> float:
+        """Mean reward over the window."""
+        return sum(self.state.recent) / len(self.state.recent)
+
+    # ---------------------------------------------------------------- the training stream
+
+    def draw_stage(self, k: int) -> int:
+        """The stage batch `k` is drawn at; applies the pending moves up to `k`."""
+        state = self.state
+        while state.moves and state.moves[0][0] <= k:
+            state.drawn_index = state.moves.pop(0)[1]
+        return state.drawn_index
+
+    def replayed(self, batch_size: int) -> int:
+        """Prompts of a GRPO batch drawn from earlier stages; at least one stays at the stage, whatever the rounding."""
+        return min(round(self.replay_fraction * batch_size), batch_size - 1) if self.state.drawn_index else 0
+
+    def move(self, index: int, from_batch: int | None = None) -> None:
+        """Train stage `index` from now on: counters restart, the temperature, responses and history stay.
+
+        Args:
+            index: The stage to train at.
+            from_batch: First training batch drawn at it; None = the next batch drawn. Under a Trainer that is the
+                number of batches run plus one: Lightning has already fetched the next batch at the old stage.
+        """
+        if not 0 <= index < len(self.stages):
+            raise ValueError(f"stage index must be in [0, {len(self.stages) - 1}], got {index}")
+        state = self.state
+        moves = [m for m in state.moves if m[0] < from_batch] + [[from_batch, index]] if from_batch is not None else []
+        self.state = CurriculumState(
+            stage_index=index,
+            temperature=state.temperature,
+            responses=state.responses,
+            history=state.history,
+            drawn_index=index if from_batch is None else state.drawn_index,
+            moves=moves,
+        )
+
+    # ---------------------------------------------------------------- the decisions
+
+    def observe_validation(self, score: float) -> None:
+        """The validation score at the current stage's length."""
+        self.state.val_score = score
+
+    def observe(self, counts: StepCounts) -> Decision:
+        """Count one GRPO batch that had rows at the current stage and decide what follows."""
+        s, state = self.settings, self.state
+        state.steps += 1
+        state.recent = (state.recent + [counts.reward])[-s.window :]
+        state.above = state.above + 1 if self.rolling >= self.threshold else 0
+        state.collapsed = state.collapsed + 1 if counts.stuck_share >= s.collapse_share else 0
+        if state.collapsed >= s.collapse_patience:
+            return self._respond_to_collapse(counts)
+        index = state.stage_index
+        learned = state.steps >= self.min_steps[index] and state.above >= self.patience[index]
+        if s.val_threshold is not None:
+            learned = learned and state.val_score is not None and state.val_score >= s.val_threshold
+        if not learned:
+            return Decision("none", self.rolling, index)
+        n = self.stage_words
+        if index + 1 == len(self.stages):
+            state.done = True
+            message = self._note(counts, "done", n, n, f"last stage learned (reward {self.rolling:.3f})")
+            return Decision("done", self.rolling, index, message=message, export_words=n, stop=s.stop_when_done)
+        why = f"reward {self.rolling:.3f} >= {self.threshold}"
+        return self._move(counts, index + 1, "advance", why, export_words=n)
+
+    def _respond_to_collapse(self, counts: StepCounts) -> Decision:
+        s, state = self.settings, self.state
+        n, temperature = self.stage_words, counts.temperature
+        state.responses[n] = state.responses.get(n, 0) + 1
+        state.collapsed = 0
+        what = (
+            f"collapse at {n} words: stuck groups (all G rewards equal, below {self.threshold}) made up "
+            f">= {s.collapse_share:.0%} of the batch for {s.collapse_patience} batches (reward {self.rolling:.3f})"
+        )
+        if state.responses[n] > s.max_collapse_responses:
+            return self._stop(counts, what, f"{s.max_collapse_responses} responses at this length did not help")
+        if s.on_collapse == "stop":
+            return self._stop(counts, what, "on_collapse is 'stop'")
+        if s.on_collapse == "raise_temperature":
+            if temperature >= s.max_temperature:
+                return self._stop(counts, what, f"the temperature is already at max_temperature={s.max_temperature}")
+            state.temperature = min(temperature + s.temperature_step, s.max_temperature)
+            why = f"{what}; temperature {temperature} -> {state.temperature}"
+            message = self._note(counts, "raise_temperature", n, n, why)
+            return Decision("raise_temperature", self.rolling, state.stage_index, state.temperature, message)
+        if state.stage_index == 0:
+            return self._stop(counts, what, "there is no earlier stage to step back to")
+        return self._move(counts, state.stage_index - 1, "step_back", what)
+
+    def _move(
+        self, counts: StepCounts, index: int, kind: DecisionKind, why: str, export_words: int | None = None
+    ) -> Decision:
+        old, new, rolling = self.stage_words, self.stages[index], self.rolling
+        message = self._note(counts, kind, old, new, why, from_batch=counts.next_batch)
+        self.move(index, from_batch=counts.next_batch)
+        return Decision(kind, rolling, index, message=message, export_words=export_words)
+
+    def _stop(self, counts: StepCounts, what: str, why: str) -> Decision:
+        n = self.stage_words
+        learned = [h["from_words"] for h in self.state.history if h["kind"] == "advance"]
+        start = f"--model.init_from {self.exports}/{learned[-1]}words" if learned and self.exports else "it"
+        message = (
+            f"curriculum: stopping, {what}, and {why}. Continue from the last learned stage ({start}) with a "
+            "smaller step between stage lengths, a supervised warm-start at this length, or a higher temperature."
+        )
+        self.state.stopped = message
+        message = self._note(counts, "stop", n, n, message)
+        return Decision("stop", self.rolling, self.state.stage_index, message=message, stop=True)
+
+    def _note(self, counts: StepCounts, kind: str, old: int, new: int, why: str, **extra) -> str:
+        """Append a transition to the history; returns its one-line message."""
+        entry = {"kind": kind, "from_words": old, "to_words": new, "batch": counts.batch}
+        self.state.history.append(entry | {"global_step": counts.global_step, "why": why} | extra)
+        return f"{kind}: {old} -> {new} words at step {counts.global_step} ({why})"
+
+    # ---------------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict:
+        return asdict(self.state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.state = CurriculumState(**state_dict)
+
+    def load_legacy_state(self, datamodule: dict | None = None, callback: dict | None = None) -> None:
+        """Restore from a checkpoint written before the curriculum had one owner (git 35e5889 and earlier).
+
+        It kept the stream's part in the DataModule's entry, `{"stage_index": <drawn stage>, "moves": [[from_batch,
+        index], ...]}` (moves only when pending), and the decisions' part in `checkpoint["callbacks"]
+        ["CurriculumCallback"]`: every field of `CurriculumState` down to `history`. Lightning restores the DataModule
+        first, then the callbacks, so each part is handed over as it comes.
+        """
+        if datamodule is not None:
+            drawn = datamodule["stage_index"]
+            # the old callback started from the DataModule's stage when it had no state of its own
+            self.state = CurriculumState(stage_index=drawn, drawn_index=drawn, moves=datamodule.get("moves", []))
+        if callback is not None:
+            stream = {f.name: getattr(self.state, f.name) for f in fields(CurriculumState) if f.name not in callback}
+            self.state = CurriculumState(**callback, **stream)
 
 
 def check_lengths(lengths: Sequence[int], name: str) -> list[int]:
@@ -76,3 +348,12 @@ def check_lengths(lengths: Sequence[int], name: str) -> list[int]:
     if any(b <= a for a, b in zip(lengths, lengths[1:], strict=False)):
         raise CorpusError(f"{name} must be strictly increasing, got {' '.join(map(str, lengths))}")
     return lengths
+
+
+def _per_stage(value, name: str, lengths: list[int]) -> list:
+    """One value per stage from a single value or a list of one value per stage."""
+    if not isinstance(value, list | tuple):
+        return [value] * len(lengths)
+    if len(value) != len(lengths):
+        raise CorpusError(f"curriculum.{name} has {len(value)} values for {len(lengths)} stages {lengths}")
+    return list(value)

@@ -1,8 +1,9 @@
-"""InterleaveDataModule: curriculum stages, replay, the SFT -> GRPO warm-start, and tokenized prompt batches."""
+"""InterleaveDataModule: the curriculum's stream, the SFT -> GRPO warm-start, and tokenized prompt batches."""
 
 import random
 from collections.abc import Iterator, Sequence
 from functools import partial
+from typing import Any
 
 import torch
 from lightning import LightningDataModule
@@ -10,7 +11,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from interleave_data.cache import build_cache, cache_path, load_cache
 from interleave_data.corpus import CorpusError
-from interleave_data.curriculum import check_lengths
+from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
 from interleave_data.pairs import SPLITS, Example, check_fractions
 from interleave_data.prompts import TEMPLATES, format_prompt
@@ -25,6 +26,7 @@ class InterleaveDataModule(LightningDataModule):
     are GRPO batches from the other half, with a share from earlier stages (replay). Validation and test give one
     loader per evaluation length, for a score-vs-length curve.
 
+    The curriculum (``self.curriculum``) decides which stage each batch is drawn at and is checkpointed here, once.
     Under a Trainer, Lightning fetches one batch ahead: a stage move made in ``on_train_batch_end`` shows from the
     batch after next.
 
@@ -33,6 +35,7 @@ class InterleaveDataModule(LightningDataModule):
         dataset_dir: A folder written by ``python -m interleave_data generate``; when given, examples are read from
             it instead of built (the first ``*_pairs`` of each file, which equal an on-the-fly build of that size).
         stages: Curriculum lengths in words per fragment, strictly increasing.
+        curriculum: When a stage is learned and how a collapse is answered (``CurriculumCallback`` acts on it).
         train_pairs: Training examples per stage.
         val_pairs: Validation examples per evaluation length.
         test_pairs: Test examples per evaluation length.
@@ -50,6 +53,8 @@ class InterleaveDataModule(LightningDataModule):
         eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
         predict_split: Split served by ``predict_dataloader``.
         cache_dir: Root of the Arrow cache; None means the HF datasets cache.
+        tokenizer: The model's tokenizer, for prompts and target ids; linked from ``model.tokenizer`` by the CLI,
+            not a config key.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class InterleaveDataModule(LightningDataModule):
         corpus: list[str] | None = None,
         dataset_dir: str | None = None,
         stages: Sequence[int] = (10, 25, 50, 100, 200, 500),
+        curriculum: CurriculumSettings = CurriculumSettings(),  # noqa: B008 (frozen, so one shared default is safe)
         train_pairs: int = 1000,
         val_pairs: int = 32,
         test_pairs: int = 32,
@@ -72,11 +78,13 @@ class InterleaveDataModule(LightningDataModule):
         eval_stages: Sequence[int] | None = None,
         predict_split: str = "test",
         cache_dir: str | None = None,
+        tokenizer: Any = None,
     ):
         super().__init__()
         self.corpus = [corpus] if isinstance(corpus, str) else (list(corpus) if corpus else None)
         self.dataset_dir = dataset_dir
-        self.stages = check_lengths(stages, "stages")
+        self.curriculum = Curriculum(stages, replay_fraction, curriculum)
+        self.stages = self.curriculum.stages
         self.eval_lengths = list(self.stages) if eval_stages is None else check_lengths(eval_stages, "eval_stages")
         self.train_pairs = train_pairs
         self.val_pairs = val_pairs
@@ -89,13 +97,10 @@ class InterleaveDataModule(LightningDataModule):
         self.sft_steps = sft_steps
         self.sft_stages = None if sft_stages is None else check_lengths(sft_stages, "sft_stages")
         self.eval_batch_size = eval_batch_size
-        self.replay_fraction = replay_fraction
         self.predict_split = predict_split
         self.cache_dir = cache_dir
         self._check_args()
-        self.tokenizer = None  # assigned by the LightningModule in its setup(), before any batch is collated
-        self.stage_index = 0
-        self._moves: list[tuple[int, int]] = []  # (from_batch, stage_index), pending moves, in order
+        self.tokenizer = tokenizer
         self._pools: dict[tuple[int, str], list[Example]] = {}
 
     def _check_args(self) -> None:
@@ -109,47 +114,20 @@ class InterleaveDataModule(LightningDataModule):
             raise CorpusError(f"need train_pairs >= {min_train} and val_pairs, test_pairs >= 0, got {self.pairs}")
         if min(self.batch_size, self.sft_batch_size, self.eval_batch_size) < 1 or self.sft_steps < 0:
             raise CorpusError("batch_size, sft_batch_size and eval_batch_size must be >= 1, sft_steps >= 0")
-        if not 0.0 <= self.replay_fraction < 1.0:
-            raise CorpusError(f"replay_fraction must be in [0, 1), got {self.replay_fraction}")
 
     @property
     def pairs(self) -> dict[str, int]:
         """``split -> examples per length``."""
         return {"train": self.train_pairs, "val": self.val_pairs, "test": self.test_pairs}
 
-    @property
-    def stage_words(self) -> int:
-        """Words per fragment at the current stage."""
-        return self.stages[self.stage_index]
-
-    def set_stage(self, index: int, from_batch: int | None = None) -> None:
-        """Moves training to stage ``index``.
-
-        Args:
-            index: The stage to train at.
-            from_batch: First training batch (stream index ``k``) drawn at the new stage; None means the next batch
-                drawn. Under a Trainer, pass the number of batches run plus one: Lightning has already fetched the
-                next batch, and a run resumed from a checkpoint saved now must draw that batch at the old stage too.
-        """
-        if not 0 <= index < len(self.stages):
-            raise ValueError(f"stage index must be in [0, {len(self.stages) - 1}], got {index}")
-        if from_batch is None:
-            self.stage_index, self._moves = index, []
-        else:
-            self._moves = [m for m in self._moves if m[0] < from_batch] + [(from_batch, index)]
-
-    def _apply_moves(self, k: int) -> None:
-        while self._moves and self._moves[0][0] <= k:
-            self.stage_index = self._moves.pop(0)[1]
-
     def state_dict(self) -> dict:
-        # pending moves only when there are some, so a plain stage switch keeps its one-key state
-        return {"stage_index": self.stage_index} | ({"moves": [list(m) for m in self._moves]} if self._moves else {})
+        return {"curriculum": self.curriculum.state_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.set_stage(state_dict["stage_index"])
-        for from_batch, index in state_dict.get("moves", []):
-            self.set_stage(index, from_batch)
+        if "curriculum" in state_dict:
+            self.curriculum.load_state_dict(state_dict["curriculum"])
+        else:  # written before the curriculum had one owner; CurriculumCallback hands over the rest
+            self.curriculum.load_legacy_state(datamodule=state_dict)
 
     def _lengths(self) -> dict[str, list[int]]:
         """``split -> lengths`` this module serves; splits asked for zero pairs are left out."""
@@ -205,17 +183,16 @@ class InterleaveDataModule(LightningDataModule):
         Returns:
             ``(phase, examples)`` with phase "sft" for ``k < sft_steps``, else "grpo".
         """
-        self._apply_moves(k)
+        index = self.curriculum.draw_stage(k)
         rng = random.Random(f"{self.seed}:train:{k}:{rank}")
         if k < self.sft_steps:
             if self.sft_stages is None:
-                return "sft", _sample(rng, self._train_pool(self.stage_words, "sft"), self.sft_batch_size)
+                return "sft", _sample(rng, self._train_pool(self.stages[index], "sft"), self.sft_batch_size)
             pools = [self._train_pool(n, "sft") for n in self.sft_stages]
             return "sft", [rng.choice(rng.choice(pools)) for _ in range(self.sft_batch_size)]
-        # At least one prompt of each batch stays at the current stage, whatever the rounding.
-        n_replay = min(round(self.replay_fraction * self.batch_size), self.batch_size - 1) if self.stage_index else 0
-        batch = _sample(rng, self._train_pool(self.stage_words, "grpo"), self.batch_size - n_replay)
-        earlier = self.stages[: self.stage_index]
+        n_replay = self.curriculum.replayed(self.batch_size)
+        batch = _sample(rng, self._train_pool(self.stages[index], "grpo"), self.batch_size - n_replay)
+        earlier = self.stages[:index]
         batch += [rng.choice(self._train_pool(rng.choice(earlier), "grpo")) for _ in range(n_replay)]
         return "grpo", batch
 
@@ -233,13 +210,14 @@ class InterleaveDataModule(LightningDataModule):
 
         Returns:
             ``prompt_ids`` and ``prompt_mask`` (LongTensor [B, P], mask 1 on real tokens), ``prompts``,
-            ``targets``, ``ids``, ``n_words`` (lists of length B) and ``phase``.
+            ``targets``, ``target_ids`` (each target's token ids, no special tokens), ``ids``, ``n_words`` (lists
+            of length B) and ``phase``.
         """
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise RuntimeError(
-                "InterleaveDataModule.tokenizer is not set: the LightningModule must assign "
-                "datamodule.tokenizer in its setup() before batches are built"
+                "InterleaveDataModule has no tokenizer: pass InterleaveDataModule(tokenizer=model.tokenizer) "
+                "(the CLI links model.tokenizer into data.tokenizer)"
             )
         if tokenizer.pad_token_id is None:
             raise RuntimeError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token)")
@@ -249,11 +227,13 @@ class InterleaveDataModule(LightningDataModule):
         encoded = tokenizer(
             prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat
         )
+        targets = [e.target for e in examples]
         return {
             "prompt_ids": encoded["input_ids"].long(),  # [B, P]
             "prompt_mask": encoded["attention_mask"].long(),  # [B, P]
             "prompts": prompts,
-            "targets": [e.target for e in examples],
+            "targets": targets,
+            "target_ids": tokenizer(targets, add_special_tokens=False)["input_ids"],  # B lists of ints
             "ids": [e.id for e in examples],
             "n_words": [e.n_words for e in examples],
             "phase": phase,

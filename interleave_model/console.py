@@ -231,15 +231,15 @@ def _measures(row: dict, before: dict | None) -> str:
 
 
 def _stage(trainer: L.Trainer) -> str:
-    """The stage the run has reached: the curriculum's, else the DataModule's current stage."""
-    for callback in trainer.callbacks:
-        if isinstance(callback, CurriculumCallback) and callback.stages:
-            state = callback.state
-            words = callback.stages[state.stage_index].n_words
-            what = " (stopped)" if state.stopped else " (learned, the last)" if state.done else ""
-            return f"{words} words, {state.stage_index + 1} of {len(callback.stages)}{what}"
-    words = getattr(trainer.datamodule, "stage_words", None)
-    return f"{words} words" if words is not None else "-"
+    """The stage the run has reached: the curriculum's, with how it ended when a CurriculumCallback acted on it."""
+    curriculum = getattr(trainer.datamodule, "curriculum", None)
+    if curriculum is None:
+        return "-"
+    if not any(isinstance(callback, CurriculumCallback) for callback in trainer.callbacks):
+        return f"{curriculum.stage_words} words"
+    state = curriculum.state
+    what = " (stopped)" if state.stopped else " (learned, the last)" if state.done else ""
+    return f"{curriculum.stage_words} words, {state.stage_index + 1} of {len(curriculum.stages)}{what}"
 
 
 def _report(trainer: L.Trainer, run_dir: Path) -> Path | None:

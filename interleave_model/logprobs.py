@@ -314,7 +314,7 @@ def sft_inputs(tokenizer: PreTrainedTokenizerBase, batch: dict, device: torch.de
         `completion_logits(..., width=T)` predicts them.
     """
     eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    answers = [ids + [eos] for ids in tokenizer(batch["targets"], add_special_tokens=False)["input_ids"]]
+    answers = [ids + [eos] for ids in batch["target_ids"]]
     width = max(len(a) for a in answers)
     answer_ids = torch.full((len(answers), width), pad, dtype=torch.long)  # [B, T]
     labels = torch.full((len(answers), width), -100, dtype=torch.long)  # [B, T]

@@ -167,7 +167,6 @@ class InterleaveGRPO(L.LightningModule):
     def setup(self, stage: str) -> None:
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
-            datamodule.tokenizer = self.tokenizer
             preflight(self, datamodule)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):

@@ -37,7 +37,7 @@ def preflight(module, datamodule) -> list[StageFit]:
 
     Args:
         module: An `InterleaveGRPO` (its tokenizer, policy config and budget rule).
-        datamodule: An `InterleaveDataModule` after `setup()`, with the module's tokenizer assigned.
+        datamodule: An `InterleaveDataModule` after `setup()`, built with the module's tokenizer.
     """
     check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
     fits = [stage_fit(module, datamodule, n) for n in lengths(datamodule)]
@@ -66,7 +66,7 @@ def stage_fit(module, datamodule, n_words: int) -> StageFit:
     examples = sorted(_examples(datamodule, n_words), key=lambda e: len(e.target), reverse=True)[:LONGEST]
     batch = datamodule.collate(examples, "eval")
     try:
-        answer = module.sampler.budget(batch["targets"])
+        answer = module.sampler.budget(batch["target_ids"])
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)

@@ -23,7 +23,7 @@ class Sampler:
 
     Args:
         policy: The policy (LoRA-wrapped or not); the engine serves its weights of the current step.
-        tokenizer: Its tokenizer (counts the targets' tokens for the budget).
+        tokenizer: Its tokenizer (the own sampler decodes with it; the vLLM engine is handed it).
         stop_ids: The ids that end a completion.
         engine: "own" or "vllm".
         sampling: top_p, top_k and the token budget (`max_new_tokens`, `budget_margin`); the temperature comes with
@@ -65,7 +65,7 @@ class Sampler:
         `version` names the policy's weights (the global step): the engine takes them again when it changes.
         `sleep` hands the engine's KV memory to the update after sampling (sleep mode on a GPU).
         """
-        kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["targets"]),
+        kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["target_ids"]),
                   "temperature": temperature, "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
                   "generator": generator}  # fmt: skip
         if self.kind == "own":
@@ -78,9 +78,10 @@ class Sampler:
             engine.sleep()
         return roll
 
-    def budget(self, targets: list[str]) -> int:
-        """Token budget for a batch; a fixed budget that cannot hold a target is refused, not silently truncating."""
-        lengths = [len(ids) for ids in self.tokenizer(targets, add_special_tokens=False)["input_ids"]]
+    def budget(self, target_ids: list[list[int]]) -> int:
+        """Token budget for a batch's targets (their token ids, from `collate`); a fixed budget that cannot hold a
+        target is refused, not silently truncating."""
+        lengths = [len(ids) for ids in target_ids]
         needed = max(lengths) + 1  # + EOS
         fixed = self.sampling.max_new_tokens
         if fixed is not None:

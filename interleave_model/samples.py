@@ -1,4 +1,4 @@
-"""A sampled completion as TensorBoard markdown: prompt, target and completion each whole, the first departure marked.
+"""Sampled completions: `SampleDump` writes a step's best and worst; `sample_markdown` shows one in TensorBoard.
 
 TensorBoard's text tab renders markdown, where a prompt's own newlines, `#` or `*` would turn into prose and
 headings. Each text is an indented code block (every line indented, so nothing in it is markdown), and the
@@ -9,8 +9,17 @@ the common word prefix).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
+from pathlib import Path
 
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from typing_extensions import override
+
+from interleave_data.datamodule import batches_run
 from interleave_model.alignment import align
+from interleave_model.runs import run_dir
 
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
 
@@ -56,3 +65,68 @@ def sample_markdown(head: str, prompt: str, target: str, completion: str) -> str
 def _code(text: str) -> str:
     """An indented code block: markdown leaves every character of it as it is."""
     return "\n".join(f"    {line}" for line in (text.splitlines() or [""]))
+
+
+class SampleDump(L.Callback):
+    """Every `every_n_steps` GRPO batches, the best and the worst completion of the batch over all ranks.
+
+    Written by rank 0 to `<run>/<filename>` (appended, so a resumed run adds to it) and to TensorBoard text:
+    prompt, target, completion, reward and the first-error position (the target word where the completion first
+    departs from it); in TensorBoard each text is whole and the departing word is marked (`samples.sample_markdown`).
+
+    Args:
+        every_n_steps: Batches between dumps.
+        filename: Log file name inside the run folder.
+    """
+
+    def __init__(self, every_n_steps: int = 50, filename: str = "samples.log") -> None:
+        if every_n_steps < 1:
+            raise ValueError(f"every_n_steps must be >= 1, got {every_n_steps}")
+        self.every_n_steps = every_n_steps
+        self.filename = filename
+        self.path: Path | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.path = run_dir(trainer) / self.filename
+
+    @override
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        record = outputs.get("record") if isinstance(outputs, Mapping) else None
+        if record is None or batches_run(trainer) % self.every_n_steps:
+            return
+        rewards = record.rewards.detach().float().cpu().tolist()  # [P*G]
+        G = record.num_generations
+        ends = [max(range(len(rewards)), key=rewards.__getitem__), min(range(len(rewards)), key=rewards.__getitem__)]
+        local = [
+            (rewards[i], record.prompts[i // G], record.targets[i // G], record.completions[i], record.n_words[i // G])
+            for i in ends
+        ]
+        candidates = _gather_objects(local, trainer)
+        if trainer.is_global_zero:
+            best = max(candidates, key=lambda c: c[0])
+            worst = min(candidates, key=lambda c: c[0])
+            self._write(trainer, [("best", *best), ("worst", *worst)])
+
+    def _write(self, trainer: L.Trainer, samples: list[tuple]) -> None:
+        step, lines, markdown = trainer.global_step, [], []
+        for name, reward, prompt, target, completion, n_words in samples:
+            first_error, n_target = align(completion, target).first_error, len(target.split())
+            head = f"{name}: reward {reward:.3f}, first error at word {first_error}/{n_target}, {n_words} words"
+            lines += [f"=== step {step} {head}", f"prompt: {prompt}", f"target: {target}", f"completion: {completion}"]
+            markdown.append(sample_markdown(f"step {step} {head}", prompt, target, completion))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("\n".join(line.replace("\n", "\\n") for line in lines) + "\n\n")
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_text("samples", "\n\n---\n\n".join(markdown), step)
+
+
+def _gather_objects(obj, trainer: L.Trainer) -> list:
+    """Every rank's list `obj`, concatenated in rank order (just `obj` on one process)."""
+    if trainer.world_size == 1 or not torch.distributed.is_initialized():
+        return list(obj)
+    gathered = [None] * trainer.world_size
+    torch.distributed.all_gather_object(gathered, obj)
+    return [item for part in gathered for item in part]

@@ -62,10 +62,9 @@ def make_datamodule(tmp_path):
             "eval_batch_size": 4,
             "cache_dir": str(tmp_path / "cache"),
         }
-        dm = InterleaveDataModule(**(kwargs | overrides))
+        dm = InterleaveDataModule(**(kwargs | overrides | {"tokenizer": tokenizer}))
         dm.prepare_data()
         dm.setup("fit")
-        dm.tokenizer = tokenizer
         return dm
 
     return make

@@ -49,18 +49,19 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
     assert len(error) == 1 and "num_generationz" in error[0]
 
 
-CHOICES = ["loss.loss_type", "loss.kl_estimator", "loss.scale_rewards", "loss.advantage_estimator",
-           "optimization.lr_schedule", "rollout_engine"]  # fmt: skip
+CHOICES = ["model.loss.loss_type", "model.loss.kl_estimator", "model.loss.scale_rewards",
+           "model.loss.advantage_estimator", "model.optimization.lr_schedule", "model.rollout_engine",
+           "data.curriculum.on_collapse"]  # fmt: skip
 
 
 @pytest.mark.parametrize("key", CHOICES)
 def test_a_mistyped_choice_is_refused_when_the_config_is_parsed(key, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        main(["fit", "--config", str(TINY_CONFIG), f"--model.{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
+        main(["fit", "--config", str(TINY_CONFIG), f"--{key}", "grp0", f"--trainer.default_root_dir={tmp_path}"])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     error = [line for line in err.splitlines() if "error:" in line]
-    assert len(error) == 1 and f"model.{key}" in error[0] and "Got value: grp0" in err
+    assert len(error) == 1 and key in error[0] and "Got value: grp0" in err
     assert not any(tmp_path.iterdir())  # refused before anything was built: no run folder
 
 

@@ -23,3 +23,5 @@ def test_config_parses_and_prints(config, capsys):
     assert exit_.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     assert {"trainer", "model", "data"} <= printed.keys()
+    # the curriculum's policy is one group of data settings; the tokenizer is linked from the model, not a key
+    assert "on_collapse" in printed["data"]["curriculum"] and "tokenizer" not in printed["data"]

@@ -20,7 +20,6 @@ import torch
 import yaml
 
 from cli import main
-from interleave_model.callbacks import CurriculumCallback
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TinyModelConfig
 from interleave_model.rewards import RewardFunction
@@ -38,12 +37,10 @@ class RankReport(L.Callback):
         self.folder = Path(folder)
 
     def on_train_end(self, trainer, pl_module):
-        curriculum = next(c for c in trainer.callbacks if type(c).__name__ == "CurriculumCallback")
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("curriculum/", "val/"))}
         weights = torch.cat([p.detach().flatten().double() for p in pl_module.policy.parameters()])
         report = {
-            "curriculum": curriculum.state_dict(),
-            "datamodule": trainer.datamodule.state_dict(),
+            "curriculum": trainer.datamodule.curriculum.state_dict(),
             "temperature": pl_module.sampling.temperature,
             "metrics": metrics,
             "weights": [weights.sum().item(), weights.abs().sum().item()],
@@ -53,11 +50,13 @@ class RankReport(L.Callback):
         (self.folder / f"rank{trainer.global_rank}.json").write_text(json.dumps(report, sort_keys=True))
 
 
+CURRICULUM = {"threshold": 0.0, "patience": 1, "min_steps": 1, "window": 2}
+
+
 def _callbacks(tmp_path: Path) -> list[dict]:
-    curriculum = {"threshold": 0.0, "patience": 1, "min_steps": 1, "window": 2}
     return [
-        {"class_path": "interleave_model.callbacks.CurriculumCallback", "init_args": curriculum},
-        {"class_path": "interleave_model.callbacks.SampleDump", "init_args": {"every_n_steps": 1}},
+        {"class_path": "interleave_model.callbacks.CurriculumCallback"},
+        {"class_path": "interleave_model.samples.SampleDump", "init_args": {"every_n_steps": 1}},
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True, "save_top_k": 0}},
         {"class_path": "tests.test_ddp.RankReport", "init_args": {"folder": str(tmp_path / "ranks")}},
@@ -72,7 +71,7 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
         "default_root_dir": str(tmp_path), "callbacks": _callbacks(tmp_path),
         "plugins": [{"class_path": "interleave_model.checkpoint.AtomicCheckpointIO"}],
     }  # fmt: skip
-    extra.write_text(yaml.safe_dump({"trainer": trainer}))
+    extra.write_text(yaml.safe_dump({"trainer": trainer, "data": {"curriculum": CURRICULUM}}))
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "cli.py", "fit", "--config", str(TINY_CONFIG), "--config", str(extra)]
 
@@ -80,7 +79,7 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
 
     assert done.returncode == 0, done.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1))
-    assert rank0 == rank1  # same decisions, curriculum and datamodule state, synced metrics, same weights
+    assert rank0 == rank1  # same decisions, curriculum state, synced metrics, same weights
     kinds = [h["kind"] for h in rank0["curriculum"]["history"]]
     assert kinds == ["advance", "done"] and rank0["curriculum"]["stage_index"] == 1
     assert {"curriculum/reward", "curriculum/stage_words", "val/alignment_4w"} <= rank0["metrics"].keys()
@@ -98,7 +97,7 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
         f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}",
     ])  # fmt: skip
     assert resumed.trainer.global_step == 7
-    restored = next(c for c in resumed.trainer.callbacks if isinstance(c, CurriculumCallback)).state
+    restored = resumed.datamodule.curriculum.state
     assert restored.history == rank0["curriculum"]["history"] and restored.stage_index == 1
 
 

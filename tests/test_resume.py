@@ -6,6 +6,8 @@ batch at the old stage, so the resumed run must draw that batch at the old stage
 
 from __future__ import annotations
 
+import copy
+
 import lightning as L
 import pytest
 import torch
@@ -17,10 +19,10 @@ from tests.conftest import TINY_CONFIG
 # 2 warm-start batches), so the move is decided at the end of batch 3, the last one before the checkpoint at 4.
 CURRICULUM = [
     "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback",
-    "--trainer.callbacks.threshold=0.0",
-    "--trainer.callbacks.patience=1",
-    "--trainer.callbacks.min_steps=2",
     "--trainer.callbacks.export=false",
+    "--data.curriculum.threshold=0.0",
+    "--data.curriculum.patience=1",
+    "--data.curriculum.min_steps=2",
 ]
 
 
@@ -45,6 +47,22 @@ def _fit(root, stop_after: int, ckpt_path=None, extra=()) -> dict:
     path = root / f"end-{stop_after}.ckpt"
     cli.trainer.save_checkpoint(path)
     return torch.load(path, weights_only=False)
+
+
+def _legacy(checkpoint: dict) -> dict:
+    """The checkpoint in the layout of git 35e5889 and earlier, when the curriculum's state was kept in two entries:
+
+    checkpoint["InterleaveDataModule"] = {"stage_index": 0, "moves": [[5, 1]]}   # the stage drawn, pending moves
+    checkpoint["callbacks"]["CurriculumCallback"] = {"stage_index": 1, "steps": 0, "recent": [], "above": 0,
+        "collapsed": 0, "val_score": None, "temperature": None, "responses": {}, "done": False, "stopped": None,
+        "history": [...]}                                                          # asdict(CurriculumState)
+    """
+    old = copy.deepcopy(checkpoint)
+    state = old["InterleaveDataModule"].pop("curriculum")
+    drawn, moves = state.pop("drawn_index"), state.pop("moves")
+    old["InterleaveDataModule"] = {"stage_index": drawn} | ({"moves": moves} if moves else {})
+    old["callbacks"]["CurriculumCallback"] = state
+    return old
 
 
 def _assert_same(a, b, where="checkpoint"):
@@ -74,15 +92,22 @@ def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path, extra):
     resumed = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "end-4.ckpt", extra=extra)
 
     # the checkpoint sits between the decision (after batch 3) and its effect (batch 5, batch 4 being in flight)
-    move = half["callbacks"]["CurriculumCallback"]["history"][0]
+    curriculum = half["InterleaveDataModule"]["curriculum"]
+    move = curriculum["history"][0]
     assert (move["kind"], move["batch"], move["from_batch"]) == ("advance", 3, 5)
-    assert half["InterleaveDataModule"] == {"stage_index": 0, "moves": [[5, 1]]}
+    assert (curriculum["stage_index"], curriculum["drawn_index"], curriculum["moves"]) == (1, 0, [[5, 1]])
+    assert "CurriculumCallback" not in half["callbacks"]  # the DataModule's entry is the only one
 
     assert resumed["global_step"] == straight["global_step"] == 8
     _assert_same(resumed["state_dict"], straight["state_dict"], "weights")
     _assert_same(resumed["optimizer_states"], straight["optimizer_states"], "optimizer")
-    _assert_same(resumed["callbacks"]["CurriculumCallback"], straight["callbacks"]["CurriculumCallback"], "curriculum")
-    _assert_same(resumed["InterleaveDataModule"], straight["InterleaveDataModule"], "datamodule")
+    _assert_same(resumed["InterleaveDataModule"], straight["InterleaveDataModule"], "curriculum")
     _assert_same(resumed["sampling_rng"], straight["sampling_rng"], "sampling rng")
-    kinds = [h["kind"] for h in straight["callbacks"]["CurriculumCallback"]["history"]]
+    kinds = [h["kind"] for h in straight["InterleaveDataModule"]["curriculum"]["history"]]
     assert kinds == ["advance", "done"]  # the 8-word stage was reached and trained on in both runs
+
+    # a checkpoint of the old layout resumes to the same curriculum (pending move included) and the same weights
+    torch.save(_legacy(half), tmp_path / "split" / "old-4.ckpt")
+    from_old = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "old-4.ckpt", extra=extra)
+    _assert_same(from_old["InterleaveDataModule"], straight["InterleaveDataModule"], "curriculum from the old layout")
+    _assert_same(from_old["state_dict"], straight["state_dict"], "weights from the old layout")

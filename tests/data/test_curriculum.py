@@ -1,17 +1,150 @@
+"""The curriculum's decisions without a trainer: each test feeds `StepCounts` and reads the `Decision`s.
+
+`_feed` numbers the batches from `first` as a run would: batch k is decided after it ran, and a move takes effect
+at k + 2 (Lightning has fetched k + 1 already).
+"""
+
 import pytest
 
 from interleave_data.corpus import CorpusError
-from interleave_data.curriculum import Curriculum, Stage, check_lengths
+from interleave_data.curriculum import Curriculum, CurriculumSettings, Decision, StepCounts, check_lengths
 
 
-def test_curriculum_from_lengths_shares_stage_settings():
-    curriculum = Curriculum.from_lengths([10, 25, 50], replay_fraction=0.25, threshold=0.8, patience=5)
+def _curriculum(stages=(4, 8, 16), **settings) -> Curriculum:
+    return Curriculum(stages, settings=CurriculumSettings(**({"window": 1} | settings)))
 
-    assert curriculum.lengths == [10, 25, 50]
-    assert all(stage.threshold == 0.8 and stage.patience == 5 for stage in curriculum.stages)
-    assert curriculum.stages[0].min_steps == Stage(1).min_steps
-    with pytest.raises(CorpusError, match="strictly increasing, got 25 10"):
-        Curriculum((Stage(25), Stage(10)))
+
+def _feed(curriculum: Curriculum, rewards: list[float], stuck=0.0, temperature=1.0, first=0) -> list[Decision]:
+    """One decision per batch of this mean reward (and this share of stuck groups, all of them zero-variance)."""
+    decisions = []
+    for k, reward in enumerate(rewards, start=first):
+        counts = StepCounts(reward, stuck, stuck, 1.0, temperature, batch=k, next_batch=k + 2, global_step=k + 1)
+        decisions.append(curriculum.observe(counts))
+        temperature = decisions[-1].temperature or temperature
+    return decisions
+
+
+def test_advances_after_min_steps_and_patience_batches_above_the_threshold():
+    curriculum = _curriculum(threshold=0.8, patience=2, min_steps=4)
+
+    decisions = _feed(curriculum, [0.9, 0.9, 0.5, 0.9])  # the dip restarts the count; 4 steps, above only 1
+    assert [d.kind for d in decisions] == ["none"] * 4
+    (advance,) = _feed(curriculum, [0.9])
+
+    assert (advance.kind, advance.stage_index, advance.export_words, advance.stop) == ("advance", 1, 4, False)
+    assert advance.message.startswith("advance: 4 -> 8 words") and curriculum.stage_words == 8
+    assert curriculum.state.steps == curriculum.state.above == 0 and curriculum.state.recent == []
+    assert curriculum.state.moves == [[curriculum.state.history[-1]["from_batch"], 1]]
+
+
+def test_rolling_mean_over_the_window():
+    curriculum = _curriculum(threshold=0.8, patience=1, min_steps=0, window=2)
+
+    assert [d.kind for d in _feed(curriculum, [0.6, 1.0])] == ["none", "advance"]  # (0.6 + 1.0) / 2 = 0.8
+    assert _feed(curriculum, [0.4])[0].rolling == 0.4  # the window restarts at the new stage
+
+
+def test_validation_score_gates_the_move():
+    curriculum = _curriculum(threshold=0.5, patience=1, min_steps=0, val_threshold=0.7)
+
+    assert _feed(curriculum, [0.9])[0].kind == "none"  # no score yet
+    curriculum.observe_validation(0.6)
+    assert _feed(curriculum, [0.9])[0].kind == "none"
+    curriculum.observe_validation(0.75)
+    assert _feed(curriculum, [0.9])[0].kind == "advance"
+    assert curriculum.state.val_score is None  # a new length needs a score of its own
+
+
+def test_last_stage_learned_is_done_and_stops_only_when_asked():
+    for stop_when_done in (False, True):
+        curriculum = _curriculum((4,), threshold=0.5, patience=1, min_steps=0, stop_when_done=stop_when_done)
+        (done,) = _feed(curriculum, [0.9])
+        assert (done.kind, done.export_words, done.stop, curriculum.done) == ("done", 4, stop_when_done, True)
+
+
+def test_raise_temperature_up_to_the_cap_then_stop():
+    curriculum = _curriculum(collapse_share=0.5, collapse_patience=2, temperature_step=0.3, max_temperature=1.5)
+
+    kinds = [(d.kind, d.temperature) for d in _feed(curriculum, [0.0] * 6, stuck=0.5)]
+
+    # 1.0 -> 1.3 -> 1.5 (capped); at the cap no raise is left
+    assert kinds[1::2] == [("raise_temperature", 1.3), ("raise_temperature", 1.5), ("stop", None)]
+    assert "max_temperature=1.5" in curriculum.state.stopped and curriculum.state.temperature == 1.5
+
+
+def test_collapse_responses_are_capped_per_length():
+    curriculum = _curriculum(collapse_patience=1, temperature_step=0.1, max_temperature=5.0, max_collapse_responses=2)
+
+    kinds = [d.kind for d in _feed(curriculum, [0.0] * 3, stuck=1.0)]
+
+    assert kinds == ["raise_temperature", "raise_temperature", "stop"]
+    assert "2 responses at this length did not help" in curriculum.state.stopped
+    assert curriculum.state.responses == {4: 3}
+
+
+def test_step_back_moves_to_the_previous_stage_and_stops_at_the_first():
+    curriculum = _curriculum(threshold=0.5, patience=1, min_steps=0, collapse_patience=1, on_collapse="step_back")
+
+    assert _feed(curriculum, [0.9])[0].kind == "advance"
+    (back,) = _feed(curriculum, [0.0], stuck=1.0)
+    assert (back.kind, back.stage_index, back.export_words) == ("step_back", 0, None)
+    (stop,) = _feed(curriculum, [0.0], stuck=1.0)
+
+    assert stop.kind == "stop" and stop.stop and "no earlier stage" in curriculum.state.stopped
+    assert [h["kind"] for h in curriculum.state.history] == ["advance", "step_back", "stop"]
+
+
+def test_stop_response_names_the_last_learned_stage_when_exports_exist():
+    curriculum = _curriculum(threshold=0.5, patience=1, min_steps=0, collapse_patience=1, on_collapse="stop")
+    curriculum.exports = "run/stages"
+
+    _feed(curriculum, [0.9])
+    (stop,) = _feed(curriculum, [0.0], stuck=1.0)
+
+    assert stop.kind == "stop" and "on_collapse is 'stop'" in stop.message
+    assert "--model.init_from run/stages/4words" in curriculum.state.stopped
+
+
+def test_state_round_trip_mid_stage_gives_the_same_later_decisions():
+    settings = {"threshold": 0.5, "patience": 3, "min_steps": 0, "collapse_patience": 2, "window": 2}
+    straight = _curriculum(**settings)
+    _feed(straight, [0.0, 0.0], stuck=1.0)  # a temperature raise
+    _feed(straight, [0.9, 0.9])
+    restored = _curriculum(**settings)
+    restored.load_state_dict(straight.state_dict())
+
+    later = [0.9, 0.2, 0.9, 0.9, 0.9]
+    assert _feed(restored, later, temperature=1.25, first=4) == _feed(straight, later, temperature=1.25, first=4)
+    assert restored.state == straight.state  # the first 0.9 is the third above the threshold: an advance at once
+    assert [h["kind"] for h in restored.state.history] == ["raise_temperature", "advance", "advance"]
+
+
+def test_pending_moves_apply_at_their_batch():
+    curriculum = _curriculum()
+    curriculum.move(1, from_batch=3)
+    curriculum.move(2, from_batch=5)
+
+    assert [curriculum.draw_stage(k) for k in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    assert curriculum.stage_words == 16 and curriculum.state.moves == []
+
+
+def test_replay_leaves_one_prompt_at_the_stage_and_none_at_the_first():
+    curriculum = Curriculum([4, 8], replay_fraction=0.9)
+
+    assert curriculum.replayed(4) == 0
+    curriculum.move(1)
+    assert curriculum.replayed(4) == 3 and curriculum.replayed(1) == 0
+
+
+def test_legacy_state_from_both_checkpoint_entries():
+    curriculum = _curriculum()
+    curriculum.load_legacy_state(datamodule={"stage_index": 0, "moves": [[5, 1]]})
+    callback = {"stage_index": 1, "steps": 0, "recent": [], "above": 0, "collapsed": 0, "val_score": None,
+                "temperature": 1.25, "responses": {4: 1}, "done": False, "stopped": None, "history": []}  # fmt: skip
+    curriculum.load_legacy_state(callback=callback)
+
+    assert (curriculum.state.stage_index, curriculum.state.drawn_index, curriculum.state.moves) == (1, 0, [[5, 1]])
+    assert curriculum.state.temperature == 1.25 and curriculum.state.responses == {4: 1}
 
 
 @pytest.mark.parametrize(
@@ -29,18 +162,27 @@ def test_bad_lengths_are_named(lengths, message):
     with pytest.raises(CorpusError, match=message):
         check_lengths(lengths, "stages")
     with pytest.raises(CorpusError, match=message):
-        Curriculum.from_lengths(lengths)
+        Curriculum(lengths)
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"threshold": 1.5}, {"threshold": -0.1}, {"patience": 0}, {"min_steps": -1}, {"n_words": -3}]
+    "settings",
+    [
+        {"threshold": 1.5},
+        {"threshold": [0.5]},
+        {"patience": 0},
+        {"min_steps": -1},
+        {"window": 0},
+        {"collapse_share": 0.0},
+        {"on_collapse": "panic"},
+    ],
 )
-def test_bad_stage_settings_are_refused(kwargs):
+def test_bad_settings_are_refused(settings):
     with pytest.raises(CorpusError):
-        Stage(**{"n_words": 10, **kwargs})
+        Curriculum([10, 20], settings=CurriculumSettings(**settings))
 
 
 @pytest.mark.parametrize("replay_fraction", [-0.1, 1.0])
 def test_replay_fraction_must_leave_room_for_the_current_stage(replay_fraction):
     with pytest.raises(CorpusError, match="replay_fraction"):
-        Curriculum.from_lengths([10, 20], replay_fraction=replay_fraction)
+        Curriculum([10, 20], replay_fraction=replay_fraction)

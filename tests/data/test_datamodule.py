@@ -15,14 +15,13 @@ STAGES = [10, 25, 50]
 
 def make_dm(tmp_path, tokenizer=None, **kwargs) -> InterleaveDataModule:
     args = {"stages": STAGES, "train_pairs": 40, "val_pairs": 6, "test_pairs": 5, "cache_dir": str(tmp_path / "cache")}
-    dm = InterleaveDataModule(**{**args, **kwargs})
+    dm = InterleaveDataModule(**{**args, **kwargs, "tokenizer": tokenizer})
     dm.prepare_data()
     dm.setup("fit")
-    dm.tokenizer = tokenizer
     return dm
 
 
-def test_collate_left_pads_and_keeps_targets_as_strings(tmp_path, tokenizer):
+def test_collate_left_pads_and_tokenizes_targets_once(tmp_path, tokenizer):
     dm = make_dm(tmp_path, tokenizer, template="compact")
     examples = [dm.examples(10, "val")[0], dm.examples(25, "val")[0], dm.examples(50, "val")[1]]
 
@@ -38,6 +37,7 @@ def test_collate_left_pads_and_keeps_targets_as_strings(tmp_path, tokenizer):
         assert ids[row, ids.shape[1] - real :].tolist() == expected
         assert (ids[row, : ids.shape[1] - real] == tokenizer.pad_token_id).all()
     assert batch["targets"] == [e.target for e in examples]
+    assert batch["target_ids"] == [tokenizer(e.target, add_special_tokens=False)["input_ids"] for e in examples]
     assert batch["ids"] == [e.id for e in examples] and batch["n_words"] == [10, 25, 50]
     assert batch["prompts"] == [format_prompt(e.a, e.b, "compact") for e in examples] and batch["phase"] == "eval"
 
@@ -52,10 +52,10 @@ def test_chat_template_prompts_get_no_second_bos(tmp_path):
     assert ((batch["prompt_ids"] == 2).sum(dim=1) == 1).all()  # [BOS] has id 2
 
 
-def test_collate_without_tokenizer_says_who_must_set_it(tmp_path):
+def test_collate_without_tokenizer_says_how_to_give_one(tmp_path):
     dm = make_dm(tmp_path)
 
-    with pytest.raises(RuntimeError, match="datamodule.tokenizer"):
+    with pytest.raises(RuntimeError, match=r"InterleaveDataModule\(tokenizer=model.tokenizer\)"):
         next(iter(dm.train_dataloader()))
 
 
@@ -64,16 +64,16 @@ def test_stage_switch_takes_effect_on_the_next_batch(tmp_path, tokenizer):
     stream = iter(dm.train_dataloader())
 
     first = next(stream)
-    dm.set_stage(2)
+    dm.curriculum.move(2)
     second = next(stream)
 
     assert first["n_words"] == [10] * 3 and first["phase"] == "grpo"
-    assert second["n_words"] == [50] * 3 and dm.stage_words == 50
+    assert second["n_words"] == [50] * 3 and dm.curriculum.stage_words == 50
 
 
 def test_replay_share_comes_from_earlier_stages_only(tmp_path, tokenizer):
     dm = make_dm(tmp_path, tokenizer, batch_size=8, replay_fraction=0.25)
-    dm.set_stage(2)
+    dm.curriculum.move(2)
 
     batches = [dm.sample_train_batch(k)[1] for k in range(40)]
 
@@ -82,7 +82,7 @@ def test_replay_share_comes_from_earlier_stages_only(tmp_path, tokenizer):
         assert counts[50] == 6 and counts[10] + counts[25] == 2
     replayed = Counter(e.n_words for batch in batches for e in batch if e.n_words != 50)
     assert replayed[10] > 20 and replayed[25] > 20  # uniform over the two earlier stages
-    dm.set_stage(0)
+    dm.curriculum.move(0)
     assert all(e.n_words == 10 for k in range(10) for e in dm.sample_train_batch(k)[1])  # nothing to replay
 
 
@@ -137,14 +137,14 @@ def test_stream_is_seeded_per_batch_rank_and_resumes_at_consumed_batches(tmp_pat
 
 def test_state_dict_round_trip(tmp_path):
     dm = make_dm(tmp_path)
-    dm.set_stage(2)
+    dm.curriculum.move(2)
     other = InterleaveDataModule(stages=STAGES)
 
     other.load_state_dict(dm.state_dict())
 
-    assert other.stage_index == 2 and other.stage_words == 50
+    assert other.curriculum.state == dm.curriculum.state and other.curriculum.stage_words == 50
     with pytest.raises(ValueError, match="stage index"):
-        other.set_stage(3)
+        other.curriculum.move(3)
 
 
 def test_eval_loaders_cover_each_length_in_order(tmp_path, tokenizer):

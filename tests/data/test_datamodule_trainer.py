@@ -1,4 +1,4 @@
-"""The DataModule under a real Lightning Trainer: tokenizer hand-off, stage moves, checkpoint and resume."""
+"""The DataModule under a real Lightning Trainer: stage moves, checkpoint and resume."""
 
 import pytest
 import torch
@@ -9,19 +9,15 @@ from interleave_data.datamodule import InterleaveDataModule
 
 
 class _Recorder(LightningModule):
-    """Records what each step receives. Like the project's module it sets the tokenizer in setup() and optimizes
-    manually, with two optimizer steps per batch, so global_step is not the number of batches."""
+    """Records what each step receives. Like the project's module it optimizes manually, with two optimizer steps per
+    batch, so global_step is not the number of batches."""
 
-    def __init__(self, tokenizer):
+    def __init__(self):
         super().__init__()
         self.automatic_optimization = False
-        self.tokenizer = tokenizer
         self.weight = torch.nn.Parameter(torch.zeros(1))
         self.train_batches: list[dict] = []
         self.val_lengths: dict[int, set[int]] = {}
-
-    def setup(self, stage: str) -> None:
-        self.trainer.datamodule.tokenizer = self.tokenizer
 
     def training_step(self, batch, batch_idx):
         self.train_batches.append(batch)
@@ -44,7 +40,7 @@ class _MoveAfterBatch(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == self.batch_idx:
-            trainer.datamodule.set_stage(1)
+            trainer.datamodule.curriculum.move(1)
 
 
 def _trainer(max_steps: int, callbacks=(), limit_val_batches: float = 0) -> Trainer:
@@ -60,16 +56,16 @@ def _trainer(max_steps: int, callbacks=(), limit_val_batches: float = 0) -> Trai
     )
 
 
-def _dm(tmp_path) -> InterleaveDataModule:
+def _dm(tmp_path, tokenizer) -> InterleaveDataModule:
     return InterleaveDataModule(
         stages=[10, 25], train_pairs=8, val_pairs=2, test_pairs=2, batch_size=2, template="compact",
-        cache_dir=str(tmp_path / "cache"),
+        cache_dir=str(tmp_path / "cache"), tokenizer=tokenizer,
     )  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:Using ModelCheckpoint with manual optimization", "ignore:Be aware that when using")
 def test_fit_moves_stage_checkpoints_it_and_resumes_the_stream(tmp_path, tokenizer):
-    dm, model = _dm(tmp_path), _Recorder(tokenizer)
+    dm, model = _dm(tmp_path, tokenizer), _Recorder()
     every_two_batches = ModelCheckpoint(tmp_path / "ckpt", "{step}", every_n_train_steps=4, save_top_k=-1)
 
     trainer = _trainer(8, [_MoveAfterBatch(1), every_two_batches])
@@ -80,13 +76,13 @@ def test_fit_moves_stage_checkpoints_it_and_resumes_the_stream(tmp_path, tokeniz
     # Lightning fetched batch 2 before the move made at the end of batch 1, so the move shows from batch 3.
     assert lengths == [{10}, {10}, {10}, {25}]
     checkpoint = torch.load(tmp_path / "ckpt" / "step=4.ckpt", weights_only=False)
-    assert checkpoint["InterleaveDataModule"] == {"stage_index": 1}
+    assert checkpoint["InterleaveDataModule"]["curriculum"]["drawn_index"] == 1
 
     resumed_ids = {}
     for name, max_steps in (("step=4.ckpt", 8), ("end.ckpt", 12)):
-        resumed_dm, resumed = _dm(tmp_path), _Recorder(tokenizer)
+        resumed_dm, resumed = _dm(tmp_path, tokenizer), _Recorder()
         _trainer(max_steps).fit(resumed, datamodule=resumed_dm, ckpt_path=tmp_path / "ckpt" / name)
-        assert resumed_dm.stage_index == 1
+        assert resumed_dm.curriculum.state.drawn_index == 1
         resumed_ids[name] = [batch["ids"] for batch in resumed.train_batches]
 
     def drawn(k):
@@ -98,7 +94,7 @@ def test_fit_moves_stage_checkpoints_it_and_resumes_the_stream(tmp_path, tokeniz
 
 
 def test_validate_runs_one_loader_per_length(tmp_path, tokenizer):
-    dm, model = _dm(tmp_path), _Recorder(tokenizer)
+    dm, model = _dm(tmp_path, tokenizer), _Recorder()
 
     _trainer(1, limit_val_batches=1.0).validate(model, datamodule=dm, verbose=False)
 

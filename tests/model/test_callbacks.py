@@ -1,7 +1,8 @@
-"""CurriculumCallback decisions, SampleDump, stage exports, `init_from` and dynamic sampling.
+"""CurriculumCallback acting on the curriculum, SampleDump, stage exports, `init_from` and dynamic sampling.
 
 Decisions are driven through the real hooks with a stand-in trainer: every batch is a `StepRecord` whose rewards
-are written out, so each test reads as "these rewards, then this decision".
+are written out, so each test reads as "these rewards, then this decision". The decisions alone, without a trainer,
+are in tests/data/test_curriculum.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interleave_model.callbacks import CurriculumCallback, SampleDump
+from interleave_data.curriculum import Curriculum, CurriculumSettings
+from interleave_model.callbacks import CurriculumCallback
 from interleave_model.checkpoint import load_initial_weights
 from interleave_model.dynamic_sampling import DynamicSampling, concat, refill, select_groups
 from interleave_model.export import export
@@ -24,17 +26,22 @@ from interleave_model.policy import LoraSettings, PolicyError
 from interleave_model.records import StepRecord, Trajectory
 from interleave_model.rewards import RewardFunction
 from interleave_model.rollout import Rollout
+from interleave_model.samples import SampleDump
 from interleave_model.settings import Sampling
 
 G = 2
 
 
 class _DataModule:
-    def __init__(self, stages=(4, 8, 16)):
-        self.stages, self.stage_index, self.moves = list(stages), 0, []
+    """Holds the curriculum, as InterleaveDataModule does; `moves` lists each move as (stage index, from batch)."""
 
-    def set_stage(self, index, from_batch=None):
-        self.moves.append((index, from_batch))
+    def __init__(self, stages=(4, 8, 16), **settings):
+        self.curriculum = Curriculum(stages, settings=CurriculumSettings(**settings))
+
+    @property
+    def moves(self) -> list[tuple[int, int]]:
+        c = self.curriculum
+        return [(c.stages.index(h["to_words"]), h["from_batch"]) for h in c.state.history if "from_batch" in h]
 
 
 class _Trainer:
@@ -69,8 +76,10 @@ class _Trainer:
             callback.on_train_batch_end(self, self.module, {"record": record}, None, 0)
 
 
-def _curriculum(trainer, **kwargs) -> CurriculumCallback:
-    callback = CurriculumCallback(**({"export": False, "window": 1} | kwargs))
+def _curriculum(trainer, export=False, **settings) -> CurriculumCallback:
+    """A CurriculumCallback over a fresh curriculum with these settings (window 1 unless given)."""
+    trainer.datamodule = _DataModule(trainer.datamodule.curriculum.stages, **({"window": 1} | settings))
+    callback = CurriculumCallback(export=export)
     callback.setup(trainer, trainer.module, "fit")
     return callback
 
@@ -89,8 +98,8 @@ def test_advances_once_the_reward_held_the_threshold_for_patience_batches(tmp_pa
 
     # decided after batch 6 (processed = 6); batch 7 is already fetched, so the move shows from batch 8 (index 7)
     assert trainer.datamodule.moves == [(1, 7)]
-    assert cb.state.stage_index == 1 and cb.state.steps == 0
-    assert cb.state.history[-1] | {"why": ""} == {
+    assert cb.curriculum.state.stage_index == 1 and cb.curriculum.state.steps == 0
+    assert cb.curriculum.state.history[-1] | {"why": ""} == {
         "kind": "advance", "from_words": 4, "to_words": 8, "batch": 5, "global_step": 6, "why": "", "from_batch": 7,
     }  # fmt: skip
 
@@ -113,7 +122,7 @@ def test_no_advance_before_min_steps(tmp_path):
 
     for _ in range(3):
         trainer.batch([cb], [GOOD], [4])
-    assert trainer.datamodule.moves == [] and cb.state.above == 3
+    assert trainer.datamodule.moves == [] and cb.curriculum.state.above == 3
     trainer.batch([cb], [GOOD], [4])
     assert trainer.datamodule.moves == [(1, 5)]
 
@@ -125,7 +134,7 @@ def test_thresholds_differ_per_stage_and_batches_of_another_stage_do_not_count(t
     trainer.batch([cb], [BAD], [4])  # mean 0.35 < 0.5
     trainer.batch([cb], [[0.5, 0.6]], [4])  # mean 0.55 >= 0.5: move to 8 words
     trainer.batch([cb], [[1.0, 1.0]], [4])  # fetched before the move: ignored
-    assert cb.state.steps == 0
+    assert cb.curriculum.state.steps == 0
     trainer.batch([cb], [GOOD, [1.0, 1.0]], [8, 4])  # 8-word rows 0.95 (the replayed 4-word row is not counted)
     assert trainer.logged["curriculum/reward"] == pytest.approx(0.95)
     trainer.batch([cb], [[0.9, 0.9]], [8])  # min_steps reached but 0.9 < 0.95
@@ -141,8 +150,8 @@ def test_last_stage_learned_marks_done_and_stops_when_asked(tmp_path):
 
     trainer.batch([cb], [GOOD], [4])
 
-    assert cb.state.done and trainer.should_stop and trainer.datamodule.moves == []
-    assert cb.state.history[-1]["kind"] == "done"
+    assert cb.curriculum.state.done and trainer.should_stop and trainer.datamodule.moves == []
+    assert cb.curriculum.state.history[-1]["kind"] == "done"
 
 
 def test_validation_score_is_also_required_when_configured(tmp_path):
@@ -157,7 +166,9 @@ def test_validation_score_is_also_required_when_configured(tmp_path):
     trainer.callback_metrics["val/alignment_4w"] = torch.tensor(0.75)
     cb.on_validation_end(trainer, trainer.module)
     trainer.batch([cb], [GOOD], [4])
-    assert trainer.datamodule.moves == [(1, 4)] and cb.state.val_score is None  # a new length needs a new score
+    assert (
+        trainer.datamodule.moves == [(1, 4)] and cb.curriculum.state.val_score is None
+    )  # a new length needs a new score
 
 
 def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):
@@ -169,7 +180,7 @@ def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):
 
     for _ in range(2):
         trainer.batch([cb], [STUCK, GOOD], [4, 4])  # half the groups stuck: a collapsed batch
-    assert trainer.module.sampling.temperature == 1.25 and cb.state.temperature == 1.25
+    assert trainer.module.sampling.temperature == 1.25 and cb.curriculum.state.temperature == 1.25
     for _ in range(2):
         trainer.batch([cb], [STUCK, [0.3, 0.3]], [4, 4])
     assert trainer.module.sampling.temperature == 1.5
@@ -178,8 +189,8 @@ def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):
         trainer.batch([cb], [STUCK, STUCK], [4, 4])
 
     assert trainer.should_stop
-    assert "collapse at 4 words" in cb.state.stopped and "max_temperature=1.5" in cb.state.stopped
-    assert [h["kind"] for h in cb.state.history] == ["raise_temperature", "raise_temperature", "stop"]
+    assert "collapse at 4 words" in cb.curriculum.state.stopped and "max_temperature=1.5" in cb.curriculum.state.stopped
+    assert [h["kind"] for h in cb.curriculum.state.history] == ["raise_temperature", "raise_temperature", "stop"]
 
 
 def test_solved_groups_are_not_collapse(tmp_path):
@@ -189,7 +200,7 @@ def test_solved_groups_are_not_collapse(tmp_path):
     for _ in range(3):
         trainer.batch([cb], [[1.0, 1.0], [1.0, 1.0]], [4, 4], completions=["a b"] * 4)  # identical and right
 
-    assert cb.state.history == [] and trainer.logged["curriculum/zero_std_share"] == 1.0
+    assert cb.curriculum.state.history == [] and trainer.logged["curriculum/zero_std_share"] == 1.0
     assert trainer.logged["curriculum/stuck_share"] == 0.0 and trainer.logged["curriculum/distinct_completions"] == 1
 
 
@@ -201,13 +212,13 @@ def test_collapse_steps_back_a_stage_and_stops_at_the_first(tmp_path):
     trainer.batch([cb], [GOOD], [4])  # in flight
     for _ in range(2):
         trainer.batch([cb], [STUCK], [8])
-    assert trainer.datamodule.moves == [(1, 2), (0, 5)] and cb.state.stage_index == 0
+    assert trainer.datamodule.moves == [(1, 2), (0, 5)] and cb.curriculum.state.stage_index == 0
     trainer.batch([cb], [STUCK], [8])  # in flight at 8 words
     for _ in range(2):
         trainer.batch([cb], [STUCK], [4])
 
-    assert trainer.should_stop and "no earlier stage" in cb.state.stopped
-    assert [h["kind"] for h in cb.state.history] == ["advance", "step_back", "stop"]
+    assert trainer.should_stop and "no earlier stage" in cb.curriculum.state.stopped
+    assert [h["kind"] for h in cb.curriculum.state.history] == ["advance", "step_back", "stop"]
 
 
 def test_collapse_stop_response(tmp_path):
@@ -217,7 +228,7 @@ def test_collapse_stop_response(tmp_path):
     for _ in range(3):
         trainer.batch([cb], [STUCK], [4])
 
-    assert trainer.should_stop and "on_collapse is 'stop'" in cb.state.stopped
+    assert trainer.should_stop and "on_collapse is 'stop'" in cb.curriculum.state.stopped
 
 
 def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
@@ -226,15 +237,15 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
     cb = _curriculum(trainer, **kwargs)
     for rewards in (GOOD, STUCK, STUCK, GOOD, GOOD, GOOD):  # a temperature raise; rolling means 0.475, 0.95, 0.95
         trainer.batch([cb], [rewards], [4])
-    torch.save({"curriculum": cb.state_dict()}, tmp_path / "state.pt")
+    saved = cb.curriculum.state_dict()
+    torch.save({"curriculum": saved}, tmp_path / "state.pt")
 
-    restored = CurriculumCallback(**({"export": False} | kwargs))
-    restored.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False)["curriculum"])
-    restored.setup(trainer, trainer.module, "fit")
+    restored = _curriculum(trainer, **kwargs)
+    trainer.datamodule.curriculum.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False)["curriculum"])
     trainer.module.sampling.temperature = 1.0
     restored.on_train_start(trainer, trainer.module)
 
-    assert restored.state == cb.state and trainer.module.sampling.temperature == 1.25
+    assert trainer.datamodule.curriculum.state_dict() == saved and trainer.module.sampling.temperature == 1.25
     trainer.batch([restored], [GOOD], [4])
     assert trainer.datamodule.moves == [(1, 8)]  # the third batch at 0.95
 
@@ -242,19 +253,19 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
 def test_replay_share_and_a_move_from_a_given_batch(make_datamodule):
     dm = make_datamodule(None, stages=(4, 8), batch_size=4, replay_fraction=0.5)
 
-    dm.set_stage(1, from_batch=3)
+    dm.curriculum.move(1, from_batch=3)
     lengths = [sorted(e.n_words for e in dm.sample_train_batch(k)[1]) for k in range(6)]
 
     assert lengths[:3] == [[4, 4, 4, 4]] * 3
     assert lengths[3:] == [[4, 4, 8, 8]] * 3  # half of each batch replays the earlier stage
-    assert dm.state_dict() == {"stage_index": 1}
+    assert dm.state_dict()["curriculum"]["moves"] == [] and dm.curriculum.state.drawn_index == 1
 
 
 def test_a_pending_move_is_saved_and_restored(make_datamodule):
     dm = make_datamodule(None, stages=(4, 8))
-    dm.set_stage(1, from_batch=5)
+    dm.curriculum.move(1, from_batch=5)
     state = dm.state_dict()
-    assert state == {"stage_index": 0, "moves": [[5, 1]]}
+    assert (state["curriculum"]["drawn_index"], state["curriculum"]["moves"]) == (0, [[5, 1]])
 
     other = make_datamodule(None, stages=(4, 8))
     other.load_state_dict(state)

@@ -123,7 +123,7 @@ def test_bad_settings_are_refused_before_training(make_module, make_datamodule):
 def test_budget_follows_the_stage(make_module, make_datamodule):
     module = make_module()
     loaders = make_datamodule(module.tokenizer).val_dataloader()
-    short, long = (module.sampler.budget(next(iter(loader))["targets"]) for loader in loaders)
+    short, long = (module.sampler.budget(next(iter(loader))["target_ids"]) for loader in loaders)
     assert short < long and long >= 17  # an 8-word stage answers 16 words + EOS
 
 

@@ -95,7 +95,7 @@ def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, ma
         examples = [e for split in ("train", "val", "test") for e in dm.examples(fit.n_words, split)]
         batch = dm.collate(examples, "eval")  # every example: the 32 longest by characters hold the longest in tokens
         assert fit.prompt_tokens == batch["prompt_mask"].sum(-1).max()
-        assert fit.answer_tokens == module.sampler.budget(batch["targets"])
+        assert fit.answer_tokens == module.sampler.budget(batch["target_ids"])
     needed = fits[1].needed
     module.policy.config.max_position_embeddings = needed - 1
     with pytest.raises(PolicyError, match=f"^the 8-word stage needs {needed} tokens .* of {needed - 1}: drop"):
