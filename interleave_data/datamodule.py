@@ -1,7 +1,7 @@
 """InterleaveDataModule: the curriculum's stream, the SFT -> GRPO warm-start, and tokenized prompt batches."""
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -204,6 +204,12 @@ class InterleaveDataModule(LightningDataModule):
         """
         rng = random.Random(f"{self.seed}:refill:{k}:{round_}:{rank}")
         return self.collate(_sample(rng, self._train_pool(n_words, "grpo"), n), "grpo")
+
+    def refill_draw(self, n_words: int) -> Callable[[int, int], dict]:
+        """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for the batch being trained
+        (its index in the training stream, this rank), so a resumed run draws the same refills."""
+        k, rank = batches_run(self.trainer), self.trainer.global_rank
+        return lambda round_, n: self.sample_refill(k, round_, n, n_words, rank)
 
     def collate(self, examples: Sequence[Example], phase: str) -> dict:
         """Formats and tokenizes prompts, left-padded for generation; targets stay strings for the reward.

@@ -10,10 +10,9 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
-from interleave_data.datamodule import batches_run
 from interleave_model import grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
@@ -45,6 +44,7 @@ from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
 from interleave_model.schedule import phase_learning_rate
 from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group, checkpoint_groups
+from interleave_model.step_guard import StepGuard
 from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
@@ -129,6 +129,10 @@ class InterleaveGRPO(L.LightningModule):
         # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
         tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
         lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
+        # typed (hparams hold a dict under the CLI)
+        self.dynamic_sampling = (
+            DynamicSampling(**dynamic_sampling) if isinstance(dynamic_sampling, dict) else dynamic_sampling
+        )
         self.policy, self.tokenizer, self.stop_ids = build_policy(
             model_name_or_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
         )
@@ -139,7 +143,7 @@ class InterleaveGRPO(L.LightningModule):
         self.reference: torch.nn.Module | None = None
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
-        self.skipped_steps = 0
+        self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, model_name_or_path, vllm, seed
@@ -183,11 +187,11 @@ class InterleaveGRPO(L.LightningModule):
             trajectory, stats = self.generate_trajectory(batch)
             roll, G = trajectory.rollout, self.sampling.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
-            if self.hparams.dynamic_sampling is not None:
-                trajectory, counts = refill(
-                    trajectory, lambda extra: self.generate_trajectory(extra)[0], self._refill_draw(batch), G,
-                    self.hparams.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id,
-                )  # fmt: skip
+            if self.dynamic_sampling is not None:
+                draw = self.trainer.datamodule.refill_draw(max(batch["n_words"]))  # at the batch's (longest) stage
+                generate = lambda extra: self.generate_trajectory(move_data_to_device(extra, self.device))[0]  # noqa: E731
+                max_rounds, pad = self.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id
+                trajectory, counts = refill(trajectory, generate, draw, G, max_rounds, pad)
                 stats |= counts
             if self.loss.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
                 advantages = batch_scaled_advantages(
@@ -219,10 +223,10 @@ class InterleaveGRPO(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
-        save_run_state(checkpoint, self.policy, path, rng, self.device, self.skipped_steps)
+        save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.skipped_steps, self.reference = restore_run_state(
+        self.guard.skipped, self.reference = restore_run_state(
             checkpoint, self.policy, self.reference, self._generator, self.device
         )
         self.sampler.weights_loaded()
@@ -336,17 +340,6 @@ class InterleaveGRPO(L.LightningModule):
         version, rank, sleep = self.global_step, self.global_rank, self.training
         return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
 
-    def _refill_draw(self, batch: dict):
-        """`draw(round, n)` for dynamic sampling: extra prompts of the batch's (longest) stage, seeded by the index of
-        the batch in the training stream and the round, so a resumed run draws the same ones."""
-        trainer, k, n_words = self.trainer, batches_run(self.trainer), max(batch["n_words"])
-
-        def draw(round_: int, n: int) -> dict:
-            extra = trainer.datamodule.sample_refill(k, round_, n, n_words, trainer.global_rank)
-            return {key: v.to(self.device) if isinstance(v, Tensor) else v for key, v in extra.items()}
-
-        return draw
-
     def _answers(self, batch: dict, batch_idx: int) -> tuple[list[str], list[list[str]] | None]:
         """Greedy answers and, with `evaluation.num_samples`, sampled ones (`Evaluator.answers`)."""
 
@@ -380,53 +373,32 @@ class InterleaveGRPO(L.LightningModule):
         return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
 
     def _step_optimizer(self, loss: float, phase: str) -> None:
-        """Set the scheduled rate and step, unless the loss is not finite (then skip, count and log).
-
-        Clipping, and skipping a step whose gradient norm is not finite, happen inside the step, in
-        `on_before_optimizer_step`.
-        """
+        """Set the scheduled rate and step; a non-finite loss skips the step (`StepGuard`), which still counts."""
         optimizer = self.optimizers()
-        if not math.isfinite(loss):
-            self._skip_step(optimizer)
-            optimizer.step()
-            return
-        opt = self.optimization
-        lr = phase_learning_rate(
-            phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate, opt.warmup_steps,
-            opt.sft_steps, opt.lr_schedule,
-        )  # fmt: skip
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        if math.isfinite(loss):
+            opt = self.optimization
+            lr = phase_learning_rate(
+                phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate,
+                opt.warmup_steps, opt.sft_steps, opt.lr_schedule,
+            )  # fmt: skip
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            self.log("train/lr", lr, batch_size=1)
+        else:
+            self.guard.skip(optimizer)
+            self.log("train/skipped_steps", float(self.guard.skipped), batch_size=1)
         optimizer.step()
-        self.log("train/lr", lr, batch_size=1)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip the step if the gradient norm is not finite, else clip: here the gradients are the true ones.
+        """Skip a step whose gradient norm is not finite on any rank, else clip it (`step_guard.py` says why here)."""
+        norm = self.optimization.max_grad_norm
 
-        Lightning calls this hook inside `optimizer.step()`, after a 16-mixed GradScaler has unscaled the gradients
-        (once) and before the update; clipping before `step()` would clip the scaled gradients (to
-        `max_grad_norm / scale`). Every rank reaches this hook once per step and agrees on the skip.
-        """
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
-        skip = self.trainer.strategy.reduce_boolean_decision(local, all=False)  # a collective: every rank calls it
-        if not grads:  # dropped already: a non-finite loss skipped this step and counted it
-            return
-        if skip:
-            self._skip_step(optimizer)
-        elif self.optimization.max_grad_norm:
-            norm = self.optimization.max_grad_norm
+        def clip(optimizer: torch.optim.Optimizer) -> None:
             self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
 
-    def _skip_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Drop the gradients, so the coming `step()` is counted but moves nothing, and count the skip.
-
-        AdamW skips parameters without a gradient, so neither the weights nor the optimizer state move, while the
-        step still counts (max_steps and the LR schedule stay on time).
-        """
-        self.skipped_steps += 1
-        optimizer.zero_grad(set_to_none=True)
-        self.log("train/skipped_steps", float(self.skipped_steps), batch_size=1)
+        any_rank = lambda local: self.trainer.strategy.reduce_boolean_decision(local, all=False)  # noqa: E731
+        if self.guard.before_step(optimizer, any_rank, clip if norm else None):
+            self.log("train/skipped_steps", float(self.guard.skipped), batch_size=1)
 
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:

@@ -107,3 +107,11 @@ def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted,
 
     resumed = main(["fit", *common, "--trainer.max_steps=5"])
     assert resumed.model.sampling.top_k == 7 and resumed.trainer.global_step == 5
+
+
+def test_dynamic_sampling_runs_from_the_command_line(tmp_path):
+    """`model.dynamic_sampling` reaches the step as settings, not as the dict the CLI records in `hparams`."""
+    cli = main(["fit", "--config", str(TINY_CONFIG), "--model.dynamic_sampling.max_rounds=1",
+                f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
+    assert cli.model.dynamic_sampling.max_rounds == 1 and cli.trainer.global_step == 4
+    assert "train/dynamic_rounds" in cli.trainer.logged_metrics

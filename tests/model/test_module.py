@@ -92,7 +92,7 @@ def test_non_finite_loss_skips_the_step_and_counts_it(make_module, make_datamodu
     monkeypatch.setattr("interleave_model.module.combine", lambda fns, c, t, tr: ([float("nan")] * len(c), {}))
     before = _snapshot(module.policy)
     trainer = _fit(module, datamodule, steps=2)
-    assert module.skipped_steps == 2 and trainer.global_step == 2  # counted, so max_steps still ends the run
+    assert module.guard.skipped == 2 and trainer.global_step == 2  # counted, so max_steps still ends the run
     assert not module.trainer.optimizers[0].state  # AdamW never saw a gradient
     assert all(torch.equal(v, dict(module.policy.named_parameters())[k]) for k, v in before.items())
 
@@ -188,7 +188,7 @@ def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[snapshots],
     )  # fmt: skip
     trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
-    assert len(calls) == 2 and module.skipped_steps == 1 and trainer.global_step == 2
+    assert len(calls) == 2 and module.guard.skipped == 1 and trainer.global_step == 2
     (weights_1, state_1), (weights_2, state_2) = snapshots.taken
     assert state_1  # the first step was taken
     assert all(torch.equal(v, weights_2[k]) for k, v in weights_1.items())  # bitwise: nothing moved
@@ -220,5 +220,5 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
         trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
     finally:
         handle.remove()
-    assert norms and module.skipped_steps == 0
+    assert norms and module.guard.skipped == 0
     assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3
