@@ -83,3 +83,13 @@ def family_folders(tmp_path_factory) -> dict[str, Path]:
 def family(request, family_folders) -> tuple[str, Path]:
     """Each real-family model folder in turn: `(name, folder)`."""
     return request.param, family_folders[request.param]
+
+
+def flat_settings(hparams: dict) -> dict:
+    """A checkpoint's grouped hyperparameters written as the code before the groups wrote them (git 35e5889)."""
+    from interleave_model.settings import FLAT_NAMES, GROUPS
+
+    flat = {key: value for key, value in hparams.items() if key not in GROUPS}
+    for old, (group, name) in FLAT_NAMES.items():
+        flat[old] = hparams[group][name]
+    return flat

@@ -7,7 +7,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main, run
-from tests.conftest import TINY_CONFIG
+from tests.conftest import TINY_CONFIG, flat_settings
 
 SCALARS = [
     "train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/reward_mean", "train/reward_std",
@@ -88,11 +88,10 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
 
 def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):
     """A checkpoint written before the settings were grouped: its flat values still build the model."""
-    from tests.model.test_settings import _flatten
 
     _, fit_root = fitted
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
-    checkpoint["hyper_parameters"] = _flatten(checkpoint["hyper_parameters"])
+    checkpoint["hyper_parameters"] = flat_settings(checkpoint["hyper_parameters"])
     checkpoint["hyper_parameters"]["top_k"] = 7  # a value no config below names
     old = tmp_path / "flat.ckpt"
     torch.save(checkpoint, old)

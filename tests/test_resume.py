@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from cli import main
-from tests.conftest import TINY_CONFIG
+from tests.conftest import TINY_CONFIG, flat_settings
 
 # threshold 0 and patience 1: the 4-word stage ends after its min_steps=2 GRPO batches (batches 2 and 3, after the
 # 2 warm-start batches), so the move is decided at the end of batch 3, the last one before the checkpoint at 4.
@@ -56,8 +56,11 @@ def _legacy(checkpoint: dict) -> dict:
     checkpoint["callbacks"]["CurriculumCallback"] = {"stage_index": 1, "steps": 0, "recent": [], "above": 0,
         "collapsed": 0, "val_score": None, "temperature": None, "responses": {}, "done": False, "stopped": None,
         "history": [...]}                                                          # asdict(CurriculumState)
+    checkpoint["hyper_parameters"] = {..., "temperature": 1.0, "learning_rate": 0.001, "eval_num_samples": 0, ...}
+                                                                          # the model's settings, flat (no groups)
     """
     old = copy.deepcopy(checkpoint)
+    old["hyper_parameters"] = flat_settings(old["hyper_parameters"])
     state = old["InterleaveDataModule"].pop("curriculum")
     drawn, moves = state.pop("drawn_index"), state.pop("moves")
     old["InterleaveDataModule"] = {"stage_index": drawn} | ({"moves": moves} if moves else {})
@@ -106,7 +109,8 @@ def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path, extra):
     kinds = [h["kind"] for h in straight["InterleaveDataModule"]["curriculum"]["history"]]
     assert kinds == ["advance", "done"]  # the 8-word stage was reached and trained on in both runs
 
-    # a checkpoint of the old layout resumes to the same curriculum (pending move included) and the same weights
+    # a checkpoint of the old layout (curriculum in two entries, flat settings) resumes to the same curriculum
+    # (pending move included) and the same weights
     torch.save(_legacy(half), tmp_path / "split" / "old-4.ckpt")
     from_old = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "old-4.ckpt", extra=extra)
     _assert_same(from_old["InterleaveDataModule"], straight["InterleaveDataModule"], "curriculum from the old layout")

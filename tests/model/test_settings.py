@@ -10,6 +10,7 @@ import torch
 
 from interleave_model.module import InterleaveGRPO
 from interleave_model.settings import FLAT_NAMES, GROUPS, Evaluation, Loss, Optimization, Sampling, grouped_hparams
+from tests.conftest import flat_settings
 
 # The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them
 # must find its group, or an older checkpoint would silently lose it.
@@ -70,14 +71,6 @@ def test_the_default_groups_are_never_shared_between_modules(make_module):
     assert second.sampling.temperature == 1.0 and Sampling().temperature == 1.0
 
 
-def _flatten(hparams: dict) -> dict:
-    """A checkpoint's grouped hyperparameters, written as the code before the groups wrote them."""
-    flat = {key: value for key, value in hparams.items() if key not in GROUPS}
-    for old, (group, name) in FLAT_NAMES.items():
-        flat[old] = hparams[group][name]
-    return flat
-
-
 def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
     module = make_module(temperature=0.7, top_k=5, beta=0.0, learning_rate=0.03, eval_temperature=0.2)
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=0)
@@ -85,7 +78,7 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
     path = tmp_path / "grouped.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
-    checkpoint["hyper_parameters"] = _flatten(checkpoint["hyper_parameters"])
+    checkpoint["hyper_parameters"] = flat_settings(checkpoint["hyper_parameters"])
     assert "temperature" in checkpoint["hyper_parameters"] and "sampling" not in checkpoint["hyper_parameters"]
     torch.save(checkpoint, tmp_path / "flat.ckpt")
 
