@@ -43,7 +43,17 @@ from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
 from interleave_model.sampler import Sampler
 from interleave_model.schedule import phase_learning_rate
-from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group, checkpoint_groups
+from interleave_model.settings import (
+    GROUPS,
+    Evaluation,
+    Loss,
+    Optimization,
+    Sampling,
+    as_group,
+    check_groups,
+    checkpoint_groups,
+    typed,
+)
 from interleave_model.step_guard import StepGuard
 from interleave_model.vllm_engine import VllmSettings
 
@@ -115,24 +125,16 @@ class InterleaveGRPO(L.LightningModule):
         # fresh copies (the defaults are shared, and the curriculum changes the temperature); a checkpoint's are dicts
         sampling, loss = as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
-        if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
-            raise ValueError(
-                "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
-                "(or a fixed model.sampling.max_new_tokens)"
-            )
+        check_groups(sampling, loss)
         self.save_hyperparameters(ignore=["rewards"])
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
         self.sampling, self.loss, self.optimization, self.evaluation = sampling, loss, optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
-        # saved hyperparameters hold these settings as plain dicts (load_from_checkpoint passes them back so)
-        tiny = TinyModelConfig(**tiny) if isinstance(tiny, dict) else tiny or TinyModelConfig()
-        lora = LoraSettings(**lora) if isinstance(lora, dict) else lora
-        # typed (hparams hold a dict under the CLI)
-        self.dynamic_sampling = (
-            DynamicSampling(**dynamic_sampling) if isinstance(dynamic_sampling, dict) else dynamic_sampling
-        )
+        # load_from_checkpoint passes these back as the dicts hparams hold
+        tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
+        self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
         self.policy, self.tokenizer, self.stop_ids = build_policy(
             model_name_or_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
         )

@@ -158,6 +158,20 @@ FLAT_NAMES = {
 }
 
 
+def check_groups(sampling: Sampling, loss: Loss) -> None:
+    """Refuse settings that do not fit together across groups."""
+    if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
+        raise ValueError(
+            "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
+            "(or a fixed model.sampling.max_new_tokens)"
+        )
+
+
+def typed(cls: type, value: Any) -> Any:
+    """Settings as `cls` (a dataclass): a dict, as a loaded checkpoint's hyperparameters hold them, becomes one."""
+    return cls(**value) if isinstance(value, dict) else value
+
+
 def as_group(cls: type, value: Any) -> Any:
     """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
     if value is None:
