@@ -13,8 +13,8 @@ from interleave_data.cache import build_cache, cache_path, load_cache
 from interleave_data.corpus import CorpusError
 from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
-from interleave_data.pairs import SPLITS, Example, check_fractions
-from interleave_data.prompts import TEMPLATES, format_prompt
+from interleave_data.pairs import SPLITS, Example, Split, check_fractions
+from interleave_data.prompts import TEMPLATES, TemplateName, format_prompt
 
 
 class InterleaveDataModule(LightningDataModule):
@@ -68,7 +68,7 @@ class InterleaveDataModule(LightningDataModule):
         test_pairs: int = 32,
         split_fractions: tuple[float, float, float] = (0.8, 0.1, 0.1),
         seed: int = 0,
-        template: str = "two_processes",
+        template: TemplateName = "two_processes",
         batch_size: int = 4,
         sft_batch_size: int | None = None,
         sft_steps: int = 0,
@@ -76,7 +76,7 @@ class InterleaveDataModule(LightningDataModule):
         eval_batch_size: int = 16,
         replay_fraction: float = 0.0,
         eval_stages: Sequence[int] | None = None,
-        predict_split: str = "test",
+        predict_split: Split = "test",
         cache_dir: str | None = None,
         tokenizer: Any = None,
     ):

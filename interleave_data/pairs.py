@@ -4,10 +4,12 @@ import math
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
+from typing import Literal, get_args
 
 from interleave_data.corpus import CorpusError, Text
 
-SPLITS = ("train", "val", "test")
+Split = Literal["train", "val", "test"]
+SPLITS: tuple[Split, ...] = get_args(Split)
 
 
 def interleave(a: Sequence[str], b: Sequence[str]) -> list[str]:

@@ -1,5 +1,10 @@
 """Named prompt templates. The expected answer to every template is exactly the example's ``target``."""
 
+from typing import Literal, get_args
+
+# The template names, as a type: a config naming another is refused when it is parsed.
+TemplateName = Literal["two_processes", "compact"]
+
 TEMPLATES: dict[str, str] = {
     # The framing that worked for instruct models. Without "Do this all in one turn" they waited for more input.
     "two_processes": (
@@ -16,7 +21,10 @@ TEMPLATES: dict[str, str] = {
 }
 
 
-def format_prompt(a: str, b: str, template: str = "two_processes", tokenizer=None) -> str:
+assert set(get_args(TemplateName)) == set(TEMPLATES), "TemplateName must name every template"
+
+
+def format_prompt(a: str, b: str, template: TemplateName = "two_processes", tokenizer=None) -> str:
     """Fills a template with fragments ``a`` and ``b``.
 
     Args:

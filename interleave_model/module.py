@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
+from interleave_data.prompts import TemplateName
 from interleave_model import grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.dynamic_sampling import DynamicSampling, refill
@@ -103,7 +104,7 @@ class InterleaveGRPO(L.LightningModule):
         model_name_or_path: str = TINY,
         tiny: TinyModelConfig | None = None,
         corpus: list[str] | None = None,
-        template: str = "two_processes",
+        template: TemplateName = "two_processes",
         dtype: str | None = None,
         attn_implementation: str | None = None,
         trust_remote_code: bool = False,
