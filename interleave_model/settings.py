@@ -174,11 +174,7 @@ def typed(cls: type, value: Any) -> Any:
 
 def as_group(cls: type, value: Any) -> Any:
     """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
-    if value is None:
-        return cls()
-    if isinstance(value, dict):
-        return cls(**value)
-    return cls(**{field.name: getattr(value, field.name) for field in fields(cls)})
+    return cls(**(value if isinstance(value, dict) else _as_dict(cls, value)))
 
 
 def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
@@ -199,6 +195,7 @@ def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
 
 
 def _as_dict(cls: type, value: Any) -> dict[str, Any]:
+    """The fields of a group's instance, by name; none for None."""
     if value is None:
         return {}
     return {field.name: getattr(value, field.name) for field in fields(cls)}
