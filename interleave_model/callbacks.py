@@ -98,13 +98,14 @@ class CurriculumCallback(L.Callback):
         """This batch's rows at the current stage, summed over ranks; None when the batch is at another stage."""
         words, G = self.curriculum.stage_words, record.num_generations
         rewards = record.rewards.detach().float().cpu()  # [P*G]
-        means = rewards.view(-1, G).mean(dim=1)  # [P]
+        grouped = rewards.view(-1, G)  # [P, G]
+        means = grouped.mean(dim=1)  # [P]
         at_stage = torch.tensor([n == words for n in record.n_words]) & (max(record.n_words) == words)  # [P]
         flat = zero_std_groups(rewards, G) & at_stage  # [P]
         stuck = flat & (means < self.curriculum.threshold)  # [P]
         distinct = [len(set(record.completions[g * G : (g + 1) * G])) for g in range(len(record.n_words))]
         local = [
-            rewards.view(-1, G)[at_stage].sum().item(),
+            grouped[at_stage].sum().item(),
             float(at_stage.sum() * G),
             float(at_stage.sum()),
             float(flat.sum()),
