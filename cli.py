@@ -18,6 +18,7 @@ from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.compat import CompatCLI
 from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.export import export, load_weights
+from interleave_model.machine import MachineError, settle
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
 from interleave_model.preflight import report
@@ -26,7 +27,7 @@ from interleave_model.settings import grouped_hparams
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError)
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError)
 
 
 class InterleaveTrainer(Trainer):
@@ -72,9 +73,13 @@ class InterleaveCLI(CompatCLI):
         return LightningCLI.subcommands() | {"export": {"model", "datamodule"}, "check": {"model", "datamodule"}}
 
     def before_instantiate_classes(self) -> None:
-        if self.config.get("subcommand") == "check":  # one device, and a CPU where there is no GPU
+        """`check` runs on one device, a CPU where there is no GPU; every command gets what this machine can honour
+        of its options, or one `error:` line before anything is built (`interleave_model.machine`)."""
+        subcommand = self.config.get("subcommand")
+        if subcommand == "check":
             for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
                 self.config.check.trainer[key] = value
+        settle(self.config[subcommand], subcommand)
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`).

@@ -1,4 +1,4 @@
-"""Every use of a private (underscore) API of Lightning, transformers and vLLM, in one place.
+"""Every use of a private (underscore) API of Lightning, transformers, vLLM and torch, in one place.
 
 Each use says what it needs and the version it was tested with, so an upgrade that breaks one breaks here. The rest
 of the package uses the public hooks these define. (One more lives in `interleave_data/corpus.py`, which cannot
@@ -9,6 +9,7 @@ This module imports Lightning, so `shield.py`, which must run before Lightning i
 
 from __future__ import annotations
 
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,11 @@ def forget_transformers_availability(names: set[str]) -> None:
         cached = getattr(import_utils, f"is_{name}_available", None)
         if hasattr(cached, "cache_clear"):
             cached.cache_clear()
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively: on x86, AVX512-BF16 or AMX; other CPUs are taken to have it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    # torch.cpu._is_avx512_bf16_supported and _is_amx_tile_supported (torch 2.13): torch's only word on it
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from interleave_model.compat import inspect_vllm_models_in_process
+from interleave_model.machine import engine_settings
 from interleave_model.policy import is_peft
 from interleave_model.rollout import Rollout, completion_texts
 from interleave_model.shield import shield_broken_addons
@@ -106,6 +107,8 @@ class VllmEngine:
         seed: int = 0,
     ) -> None:
         vllm = import_vllm()
+        from vllm.platforms import current_platform
+
         # saved hyperparameters hold the settings as a plain dict
         settings = VllmSettings(**settings) if isinstance(settings, dict) else settings or VllmSettings()
         self.tokenizer = tokenizer
@@ -117,6 +120,8 @@ class VllmEngine:
         self._lora_request = None
         self.version: object = None
         base = policy.get_base_model() if self.lora else policy
+        # options this machine or this model cannot honour are turned off, each with a warning line
+        settings = engine_settings(settings, current_platform, getattr(base.config, "max_position_embeddings", None))
         if model_path is None:
             model_path = str(self._workdir / "model")
             base.save_pretrained(model_path)
