@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shlex
 import sys
 
 import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
@@ -20,7 +22,7 @@ from interleave_model.console import ConsoleSummary, StepProgressBar, configure_
 from interleave_model.export import export, load_weights
 from interleave_model.machine import MachineError, settle
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import PolicyError
+from interleave_model.policy import TINY, PolicyError
 from interleave_model.preflight import report
 from interleave_model.runs import RunError, config_filename, place_run
 from interleave_model.settings import grouped_hparams
@@ -101,6 +103,7 @@ class InterleaveCLI(CompatCLI):
         """
         hparams = grouped_hparams(super().checkpoint_hparams(hparams))
         hparams.pop("evaluation", None)
+        _check_tiny_vocabulary(hparams, self.config[self.config.subcommand].data)
         return hparams
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
@@ -127,6 +130,21 @@ class InterleaveCLI(CompatCLI):
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+
+
+def _check_tiny_vocabulary(hparams: dict, data) -> None:
+    """A tiny model's vocabulary is the words of its corpus and template, which the data's settings replace (the CLI
+    links them): a checkpoint of it is refused in one line, before it is built, under a config with other ones."""
+    if hparams.get("model_name_or_path", TINY) != TINY:
+        return
+    for key in ("template", "corpus"):
+        trained = hparams.get(key, data[key])
+        if trained != data[key]:
+            value = trained if isinstance(trained, str) else json.dumps(trained)
+            raise PolicyError(
+                f"the checkpoint's tiny model knows the words of data.{key} {trained!r}, this config has "
+                f"{data[key]!r}: run with --data.{key} {shlex.quote(value)}"
+            )
 
 
 def main(args: list[str] | None = None) -> InterleaveCLI:

@@ -105,6 +105,20 @@ def test_a_gpu_config_without_a_gpu_is_refused_before_anything_is_built(subcomma
     assert not any(tmp_path.iterdir())
 
 
+def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_knows(fitted, tmp_path, capsys):
+    """The tiny model's vocabulary holds its template's words: another template would not load, so one line says so."""
+    _, fit_root = fitted
+    checkpoint = sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1]
+    args = ["validate", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", "--data.template=two_processes",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+
+    assert run(args) == 2
+
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("error: the checkpoint's tiny model knows the words of data.template 'compact'")
+    assert error.endswith("run with --data.template compact") and not any(tmp_path.iterdir())
+
+
 def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):
     """A checkpoint written before the settings were grouped: its flat values still build the model."""
 
