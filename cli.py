@@ -8,9 +8,6 @@ import os
 import shlex
 import sys
 
-import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
-
-# isort: split
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
