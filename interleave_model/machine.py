@@ -1,4 +1,4 @@
-"""What this machine can honour of a run's options: checked in one place, before anything is built.
+"""What this machine can honour of a run's options, settled in one place.
 
 A config written for GPUs (`configs/llama-3.2-3b.yaml`: a GPU, bf16, vLLM with sleep mode and CUDA graphs) must still
 `check` a model on a CPU, and any command must end in one line that says what to change, not deep inside an engine.
@@ -41,13 +41,12 @@ def settle(config, subcommand: str) -> None:
     """
     trainer, model = config.trainer, config.model
     accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
-    if accelerator in GPU_ACCELERATORS and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if accelerator in GPU_ACCELERATORS and not cuda:
         raise MachineError(
             f"trainer.accelerator is {accelerator!r}, but this machine has no GPU: run with --trainer.accelerator cpu"
         )
-    on_cpu = accelerator == "cpu" or (
-        accelerator == "auto" and not torch.cuda.is_available() and not torch.backends.mps.is_available()
-    )
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda and not torch.backends.mps.is_available())
     precision = str(trainer.precision)
     if on_cpu and precision.startswith("bf16") and not cpu_has_bf16():
         warn(f"trainer.precision: {precision} needs a CPU with bf16 instructions (AVX512-BF16 or AMX); "
