@@ -90,7 +90,7 @@ def test_resume_on_the_engine(fitted, folder):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU cannot do: sleep mode, CUDA graphs")
 def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_folders, tmp_path, capsys):
-    """configs/llama-3.2-3b.yaml on a CPU: sleep mode and CUDA graphs off, the engine's length cut to the model's
+    """configs/llama-3.2-3b.yaml on a CPU: sleep mode off, no CUDA graphs, the engine's length cut to the model's
     (the Llama fixture has 2,048 positions, the config asks for 4,096), one warning line each; then the report."""
     config = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
     args = ["check", "--config", str(config), f"--model.model_name_or_path={family_folders['llama3']}",

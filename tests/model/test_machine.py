@@ -76,9 +76,10 @@ def test_check_without_vllm_answers_with_the_own_sampler_and_says_so(no_vllm, ca
     assert line.startswith("warning: model.rollout_engine:")
 
 
-def test_on_a_cpu_the_engine_runs_awake_eager_and_within_the_models_positions(capsys):
+def test_on_a_cpu_the_engine_runs_awake_within_the_models_positions_and_says_it_has_no_cuda_graphs(capsys):
     settings = engine_settings(GPU_SETTINGS, CPU, max_positions=2048)
-    assert (settings.enable_sleep_mode, settings.enforce_eager, settings.max_model_len) == (False, True, 2048)
+    # enforce_eager stays: vLLM leaves CUDA graphs out on a CPU itself and keeps torch.compile
+    assert (settings.enable_sleep_mode, settings.enforce_eager, settings.max_model_len) == (False, False, 2048)
     lines = _warnings(capsys)
     options = ("model.vllm.enable_sleep_mode", "model.vllm.enforce_eager", "model.vllm.max_model_len")
     assert len(lines) == 3 and all(line.startswith(f"warning: {o}:") for line, o in zip(lines, options, strict=True))
