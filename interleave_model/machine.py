@@ -64,7 +64,7 @@ def settle(config, subcommand: str) -> None:
 
 def engine_settings(settings, platform, max_positions: int | None):
     """The vLLM settings the engine can honour on `platform` (vLLM's `current_platform`) for a model of
-    `max_positions` positions (None: no limit known); each option changed is one warning line.
+    `max_positions` positions (None: no limit known); each option it changes or vLLM cannot serve is one warning line.
 
     Sleep mode is off where the platform has none (a CPU), which vLLM would refuse, and `max_model_len` is cut to the
     model's positions, which vLLM would refuse too. CUDA graphs (`enforce_eager: false`) vLLM leaves out itself where
