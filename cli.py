@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shlex
 import sys
 
-import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
-
-# isort: split
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -18,15 +17,16 @@ from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.compat import CompatCLI
 from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.export import export, load_weights
+from interleave_model.machine import MachineError, settle
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import PolicyError
+from interleave_model.policy import TINY, PolicyError
 from interleave_model.preflight import report
 from interleave_model.runs import RunError, config_filename, place_run
 from interleave_model.settings import grouped_hparams
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError)
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError)
 
 
 class InterleaveTrainer(Trainer):
@@ -72,9 +72,13 @@ class InterleaveCLI(CompatCLI):
         return LightningCLI.subcommands() | {"export": {"model", "datamodule"}, "check": {"model", "datamodule"}}
 
     def before_instantiate_classes(self) -> None:
-        if self.config.get("subcommand") == "check":  # one device, and a CPU where there is no GPU
+        """`check` runs on one device, a CPU where there is no GPU; every command gets what this machine can honour
+        of its options, or one `error:` line before anything is built (`interleave_model.machine`)."""
+        subcommand = self.config.get("subcommand")
+        if subcommand == "check":
             for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
                 self.config.check.trainer[key] = value
+        settle(self.config[subcommand], subcommand)
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`).
@@ -96,6 +100,7 @@ class InterleaveCLI(CompatCLI):
         """
         hparams = grouped_hparams(super().checkpoint_hparams(hparams))
         hparams.pop("evaluation", None)
+        _check_tiny_vocabulary(hparams, self.config[self.config.subcommand].data)
         return hparams
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
@@ -122,6 +127,21 @@ class InterleaveCLI(CompatCLI):
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+
+
+def _check_tiny_vocabulary(hparams: dict, data) -> None:
+    """A tiny model's vocabulary is the words of its corpus and template, which the data's settings replace (the CLI
+    links them): a checkpoint of it is refused in one line, before it is built, under a config with other ones."""
+    if hparams.get("model_name_or_path", TINY) != TINY:
+        return
+    for key in ("template", "corpus"):
+        trained = hparams.get(key, data[key])
+        if trained != data[key]:
+            value = trained if isinstance(trained, str) else json.dumps(trained)
+            raise PolicyError(
+                f"the checkpoint's tiny model knows the words of data.{key} {trained!r}, this config has "
+                f"{data[key]!r}: run with --data.{key} {shlex.quote(value)}"
+            )
 
 
 def main(args: list[str] | None = None) -> InterleaveCLI:

@@ -1,14 +1,13 @@
-"""Every use of a private (underscore) API of Lightning, transformers and vLLM, in one place.
+"""Every use of a private (underscore) API of a library, in one place: Lightning's and torch's.
 
 Each use says what it needs and the version it was tested with, so an upgrade that breaks one breaks here. The rest
 of the package uses the public hooks these define. (One more lives in `interleave_data/corpus.py`, which cannot
 import this package: `datasets.Dataset._fingerprint`.)
-
-This module imports Lightning, so `shield.py`, which must run before Lightning is imported, imports it only late.
 """
 
 from __future__ import annotations
 
+import platform
 import sys
 from pathlib import Path
 from typing import Any
@@ -92,20 +91,9 @@ class CompatRichProgressBar(RichProgressBar):
         return self.train_description(current_epoch)
 
 
-def inspect_vllm_models_in_process() -> None:
-    """Have vLLM inspect model classes in this process, not in a fresh interpreter (see `vllm_engine.import_vllm`)."""
-    import vllm.model_executor.models.registry as registry
-
-    # registry._run_in_subprocess (vllm 0.32.0) runs the inspection in a child process unless replaced
-    registry._run_in_subprocess = lambda fn: fn()
-
-
-def forget_transformers_availability(names: set[str]) -> None:
-    """Make transformers look again for the packages `names`: its `is_<name>_available` results are cached."""
-    from transformers.utils import import_utils
-
-    for name in names:
-        # the lru_cache behind import_utils.is_<name>_available (transformers 5.19); no cache, nothing to forget
-        cached = getattr(import_utils, f"is_{name}_available", None)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
+def cpu_has_bf16() -> bool:
+    """Whether this CPU computes bf16 natively: on x86, AVX512-BF16 or AMX; other CPUs are taken to have it."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    # torch.cpu._is_avx512_bf16_supported and _is_amx_tile_supported (torch 2.13): torch's only word on it
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()

@@ -12,10 +12,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from interleave_model.compat import inspect_vllm_models_in_process
+from interleave_model.machine import engine_settings
 from interleave_model.policy import is_peft
 from interleave_model.rollout import Rollout, completion_texts
-from interleave_model.shield import shield_broken_addons
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
@@ -64,21 +63,6 @@ def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tens
     return torch.exp(trainer_logprobs.detach() - engine_logprobs).clamp(max=cap)
 
 
-def import_vllm():
-    """Import vLLM, with the add-ons that cannot load hidden (`shield.py`).
-
-    vLLM inspects model classes in a fresh interpreter, which would meet a hidden add-on again; when one is hidden the
-    inspection runs in this process instead (a child keeps CUDA uninitialised, and a machine whose add-ons fail for
-    want of CUDA libraries has no CUDA to keep).
-    """
-    hidden = shield_broken_addons()
-    import vllm
-
-    if hidden:
-        inspect_vllm_models_in_process()
-    return vllm
-
-
 class VllmEngine:
     """A vLLM engine holding a copy of the policy, sampling groups of completions into the sampler's `Rollout`.
 
@@ -105,7 +89,9 @@ class VllmEngine:
         settings: VllmSettings | dict | None = None,
         seed: int = 0,
     ) -> None:
-        vllm = import_vllm()
+        import vllm
+        from vllm.platforms import current_platform
+
         # saved hyperparameters hold the settings as a plain dict
         settings = VllmSettings(**settings) if isinstance(settings, dict) else settings or VllmSettings()
         self.tokenizer = tokenizer
@@ -117,6 +103,8 @@ class VllmEngine:
         self._lora_request = None
         self.version: object = None
         base = policy.get_base_model() if self.lora else policy
+        # options this machine or this model cannot honour are turned off, each with a warning line
+        settings = engine_settings(settings, current_platform, getattr(base.config, "max_position_embeddings", None))
         if model_path is None:
             model_path = str(self._workdir / "model")
             base.save_pretrained(model_path)

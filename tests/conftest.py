@@ -8,8 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main, run
 from tests.conftest import TINY_CONFIG, flat_settings
+
+GPU_CONFIG = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
+NO_GPU = "trainer.accelerator is 'gpu', but this machine has no GPU: run with --trainer.accelerator cpu"
 
 SCALARS = [
     "train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/reward_mean", "train/reward_std",
@@ -84,6 +89,34 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
 
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: model.init_from: {missing} does not exist"]
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_a_gpu_config_without_a_gpu_is_refused_before_anything_is_built(subcommand, tmp_path, capsys, monkeypatch):
+    """configs/llama-3.2-3b.yaml asks for a GPU: without one, one line says what to change; no model is loaded."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = [subcommand, "--config", str(GPU_CONFIG), f"--model.model_name_or_path={tmp_path / 'no_model_here'}",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+
+    assert run(args) == 2
+
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error == f"error: {NO_GPU}"
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_knows(fitted, tmp_path, capsys):
+    """The tiny model's vocabulary holds its template's words: another template would not load, so one line says so."""
+    _, fit_root = fitted
+    checkpoint = sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1]
+    args = ["validate", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", "--data.template=two_processes",
+            f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+
+    assert run(args) == 2
+
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    assert error.startswith("error: the checkpoint's tiny model knows the words of data.template 'compact'")
+    assert error.endswith("run with --data.template compact") and not any(tmp_path.iterdir())
 
 
 def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):

@@ -5,9 +5,6 @@ The curriculum moves after the first GRPO batch, so the ranks must agree on a mo
 
 from __future__ import annotations
 
-import interleave_model  # noqa: F401  first: `python -m tests.test_ddp` must hide a broken torchvision before Lightning
-
-# isort: split
 import json
 import os
 import subprocess
@@ -182,8 +179,7 @@ def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_p
     before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]
     one, (whole,) = _train_one_step(tmp_path / "one", devices=1)
     # The two gloo ranks are forked by a fresh process (`__main__` below), which returns rank 0's weights: forked
-    # from this one, after other tests' threads (vLLM's engine) ran, a rank could inherit a held lock and hang; spawned,
-    # it would import Lightning before interleave_model's shield hides a torchvision that cannot load.
+    # from this one, after other tests' threads (vLLM's engine) ran, a rank could inherit a held lock and hang.
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tests.test_ddp", str(tmp_path / "two")]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

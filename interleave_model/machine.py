@@ -1,0 +1,85 @@
+"""What this machine can honour of a run's options, settled in one place.
+
+A config written for GPUs (`configs/llama-3.2-3b.yaml`: a GPU, bf16, vLLM with sleep mode and CUDA graphs) must still
+`check` a model on a CPU, and any command must end in one line that says what to change, not deep inside an engine.
+An option the run can do without is turned off with one `warning:` line naming it; one it cannot do without is
+refused with a `MachineError`, which the CLI prints as one `error:` line (exit 2).
+
+`settle` fits a command's parsed config before anything is built; `engine_settings` fits the vLLM engine's options
+to the platform vLLM runs on and to the model it loads, as the engine starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+
+import torch
+from lightning.pytorch.utilities import rank_zero_only
+
+from interleave_model.compat import cpu_has_bf16
+
+GPU_ACCELERATORS = ("gpu", "cuda")
+
+
+class MachineError(ValueError):
+    """An option this machine cannot honour, with what to change; the CLI prints it as one `error:` line."""
+
+
+@rank_zero_only
+def warn(line: str) -> None:
+    """One `warning:` line on stderr, from rank 0 only (every rank settles the same config)."""
+    print(f"warning: {line}", file=sys.stderr, flush=True)
+
+
+def settle(config, subcommand: str) -> None:
+    """Fit a command's parsed config (`trainer`, `model`) to this machine, in place.
+
+    Refused: a GPU accelerator without a GPU; `model.rollout_engine: vllm` without vLLM installed, except in `check`,
+    which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions.
+    """
+    trainer, model = config.trainer, config.model
+    accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
+    cuda = torch.cuda.is_available()
+    if accelerator in GPU_ACCELERATORS and not cuda:
+        raise MachineError(
+            f"trainer.accelerator is {accelerator!r}, but this machine has no GPU: run with --trainer.accelerator cpu"
+        )
+    on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda and not torch.backends.mps.is_available())
+    precision = str(trainer.precision)
+    if on_cpu and precision.startswith("bf16") and not cpu_has_bf16():
+        warn(f"trainer.precision: {precision} needs a CPU with bf16 instructions (AVX512-BF16 or AMX); "
+             "this one has none, so the run uses 32-true")  # fmt: skip
+        trainer.precision = "32-true"
+    if model.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        if subcommand != "check":
+            raise MachineError(
+                "model.rollout_engine is 'vllm', but vLLM is not installed: `pip install -e \".[vllm]\"` on a GPU "
+                "machine, or run with --model.rollout_engine own"
+            )
+        warn("model.rollout_engine: vLLM is not installed, so check answers with the own sampler")
+        model.rollout_engine = "own"
+
+
+def engine_settings(settings, platform, max_positions: int | None):
+    """The vLLM settings the engine can honour on `platform` (vLLM's `current_platform`) for a model of
+    `max_positions` positions (None: no limit known); each option it changes or vLLM cannot serve is one warning line.
+
+    Sleep mode is off where the platform has none (a CPU), which vLLM would refuse, and `max_model_len` is cut to the
+    model's positions, which vLLM would refuse too. CUDA graphs (`enforce_eager: false`) vLLM leaves out itself where
+    there is no CUDA: that is said, and the option stays, since it also keeps vLLM's torch.compile, which decodes
+    faster on a CPU too.
+    """
+    changes = {}
+    if settings.enable_sleep_mode and not platform.is_sleep_mode_available():
+        warn(f"model.vllm.enable_sleep_mode: vLLM has no sleep mode on {platform.device_type}; the engine stays awake")
+        changes["enable_sleep_mode"] = False
+    if not settings.enforce_eager and not platform.is_cuda_alike():
+        warn(f"model.vllm.enforce_eager: false asks for CUDA graphs, which need CUDA; on {platform.device_type} vLLM "
+             "runs without them")  # fmt: skip
+    if max_positions is not None and settings.max_model_len is not None and settings.max_model_len > max_positions:
+        warn(f"model.vllm.max_model_len: {settings.max_model_len} is more than the model's {max_positions} "
+             f"positions; the engine uses {max_positions}")  # fmt: skip
+        changes["max_model_len"] = max_positions
+    return dataclasses.replace(settings, **changes)

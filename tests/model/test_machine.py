@@ -1,0 +1,91 @@
+"""What a machine cannot honour is refused in one line before anything is built, or turned off with one warning."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+from jsonargparse import Namespace
+
+from interleave_model import machine
+from interleave_model.machine import MachineError, engine_settings, settle
+from interleave_model.vllm_engine import VllmSettings
+
+CPU = SimpleNamespace(device_type="cpu", is_sleep_mode_available=lambda: False, is_cuda_alike=lambda: False)
+CUDA = SimpleNamespace(device_type="cuda", is_sleep_mode_available=lambda: True, is_cuda_alike=lambda: True)
+GPU_SETTINGS = VllmSettings(max_model_len=4096, enforce_eager=False, enable_sleep_mode=True)  # configs/llama-3.2-3b
+
+
+def _config(accelerator="cpu", precision=None, rollout_engine="own") -> Namespace:
+    return Namespace(trainer=Namespace(accelerator=accelerator, precision=precision),
+                     model=Namespace(rollout_engine=rollout_engine))  # fmt: skip
+
+
+def _warnings(capsys) -> list[str]:
+    return capsys.readouterr().err.splitlines()
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
+def test_a_gpu_accelerator_without_a_gpu_is_refused_with_what_to_change(accelerator, no_gpu):
+    with pytest.raises(MachineError, match=f"trainer.accelerator is '{accelerator}'.*--trainer.accelerator cpu"):
+        settle(_config(accelerator), "fit")
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", "auto"])
+def test_bf16_on_a_cpu_without_bf16_runs_32_true_with_one_warning(accelerator, no_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
+    config = _config(accelerator, "bf16-mixed")
+    settle(config, "fit")
+    assert config.trainer.precision == "32-true"
+    (line,) = _warnings(capsys)
+    assert line.startswith("warning: trainer.precision: bf16-mixed")
+
+
+def test_bf16_on_a_cpu_with_bf16_is_kept(no_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: True)
+    config = _config("cpu", "bf16-mixed")
+    settle(config, "fit")
+    assert config.trainer.precision == "bf16-mixed" and not _warnings(capsys)
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
+def test_the_vllm_engine_without_vllm_is_refused_with_what_to_change(subcommand, no_vllm):
+    with pytest.raises(MachineError, match="vLLM is not installed.*--model.rollout_engine own"):
+        settle(_config(rollout_engine="vllm"), subcommand)
+
+
+def test_check_without_vllm_answers_with_the_own_sampler_and_says_so(no_vllm, capsys):
+    config = _config(rollout_engine="vllm")
+    settle(config, "check")
+    assert config.model.rollout_engine == "own"
+    (line,) = _warnings(capsys)
+    assert line.startswith("warning: model.rollout_engine:")
+
+
+def test_on_a_cpu_the_engine_runs_awake_within_the_models_positions_and_says_it_has_no_cuda_graphs(capsys):
+    settings = engine_settings(GPU_SETTINGS, CPU, max_positions=2048)
+    # enforce_eager stays: vLLM leaves CUDA graphs out on a CPU itself and keeps torch.compile
+    assert (settings.enable_sleep_mode, settings.enforce_eager, settings.max_model_len) == (False, False, 2048)
+    lines = _warnings(capsys)
+    options = ("model.vllm.enable_sleep_mode", "model.vllm.enforce_eager", "model.vllm.max_model_len")
+    assert len(lines) == 3 and all(line.startswith(f"warning: {o}:") for line, o in zip(lines, options, strict=True))
+
+
+def test_on_a_gpu_the_engine_keeps_every_option(capsys):
+    assert engine_settings(GPU_SETTINGS, CUDA, max_positions=131072) == GPU_SETTINGS
+    assert engine_settings(GPU_SETTINGS, CUDA, max_positions=None) == GPU_SETTINGS
+    assert not _warnings(capsys)
