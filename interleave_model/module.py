@@ -10,6 +10,7 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
@@ -172,6 +173,11 @@ class InterleaveGRPO(L.LightningModule):
         self.train()
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.optimization.max_grad_norm and isinstance(self.trainer.strategy, FSDPStrategy):
+            # StepGuard clips by the norm of the gradients a rank holds: under FSDP that is one shard's norm (and
+            # Lightning's FSDP precision refuses clipping by norm too)
+            raise ValueError("model.optimization.max_grad_norm: clipping needs whole gradients on each rank, and FSDP "
+                             "shards them; set it to 0")  # fmt: skip
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             preflight(self, datamodule)  # bad input is one line now, not after the warm-start
@@ -393,14 +399,10 @@ class InterleaveGRPO(L.LightningModule):
         optimizer.step()
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip a step whose gradient norm is not finite on any rank, else clip it (`step_guard.py` says why here)."""
-        norm = self.optimization.max_grad_norm
-
-        def clip(optimizer: torch.optim.Optimizer) -> None:
-            self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
-
+        """Skip a step whose loss or gradient norm is not finite on any rank, else clip it (`step_guard.py` says why
+        here)."""
         any_rank = lambda local: self.trainer.strategy.reduce_boolean_decision(local, all=False)  # noqa: E731
-        if self.guard.before_step(optimizer, any_rank, clip if norm else None):
+        if self.guard.before_step(optimizer, any_rank, self.optimization.max_grad_norm):
             self.log("train/skipped_steps", float(self.guard.skipped), batch_size=1)
 
     def _generator(self) -> torch.Generator:

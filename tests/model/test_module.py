@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from interleave_model import grpo
 from interleave_model.logprobs import sft_inputs
@@ -222,3 +223,58 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
         handle.remove()
     assert norms and module.guard.skipped == 0
     assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3
+
+
+class NormsOfGradients(TorchDispatchMode):
+    """Counts how many times an op takes the norm of one of `params`' gradients."""
+
+    OPS = (torch.ops.aten._foreach_norm, torch.ops.aten.linalg_vector_norm, torch.ops.aten.norm)
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
+        self.grads = {id(p.grad) for p in params}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.OPS:
+            tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+            self.count += sum(id(t) in self.grads for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gradient_norm_is_taken_once_per_step_and_clips_as_clip_grad_norm(make_module, make_datamodule):
+    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    hook, steps = module.on_before_optimizer_step, []
+
+    def measured(optimizer):  # the module's own hook: skip or clip
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        expected = [torch.zeros_like(p).requires_grad_() for p in params]  # the same gradients, clipped by torch
+        for copy_, p in zip(expected, params, strict=True):
+            copy_.grad = p.grad.clone()
+        torch.nn.utils.clip_grad_norm_(expected, 1e-3)
+        with NormsOfGradients(params) as norms:
+            hook(optimizer)
+        same = all(torch.equal(e.grad, p.grad) for e, p in zip(expected, params, strict=True))
+        steps.append((norms.count / len(params), same))
+
+    module.on_before_optimizer_step = measured
+    _fit(module, make_datamodule(module.tokenizer), steps=2)
+    assert steps == [(1.0, True), (1.0, True)]  # each gradient's norm taken once a step; bitwise the same clip
+
+
+class FakeTrainer:
+    def __init__(self, strategy):
+        self.strategy, self.datamodule = strategy, None
+
+
+def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = make_module()
+    module.trainer = FakeTrainer(FSDPStrategy())
+    with pytest.raises(ValueError, match="max_grad_norm: clipping needs whole gradients on each rank"):
+        module.setup("fit")  # the norm StepGuard takes would be one shard's
+    module.setup("validate")  # nothing is clipped there
+    unclipped = make_module(max_grad_norm=0)
+    unclipped.trainer = FakeTrainer(FSDPStrategy())
+    unclipped.setup("fit")
