@@ -37,9 +37,9 @@ class StepGuard:
 
     def before_step(
         self, optimizer: torch.optim.Optimizer, on_any_rank: Callable[[bool], bool], max_norm: float
-    ) -> bool:
+    ) -> None:
         """Skip the step if its loss or gradient norm is not finite on any rank, else clip it to `max_norm` (0: no
-        clipping); True when it skipped.
+        clipping).
 
         Every rank calls this once per step: `on_any_rank` (a collective) agrees on the skip, so every rank skips and
         counts the same steps. A step whose gradients `skip` dropped already is counted once.
@@ -53,4 +53,3 @@ class StepGuard:
         elif not skip and max_norm and norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         self._dropped = False
-        return skip

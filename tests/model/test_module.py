@@ -7,6 +7,7 @@ import copy
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -223,6 +224,75 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
         handle.remove()
     assert norms and module.guard.skipped == 0
     assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3
+
+
+class Captured(Logger):
+    """A logger that keeps every row Lightning hands it, as `(step, metrics)`."""
+
+    name, version = "captured", 0
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("cause", ["gradient", "loss"])
+def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_at_its_global_step(
+    cause, make_module, make_datamodule, monkeypatch
+):
+    # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
+    module = make_module(learning_rate=1e-2, beta=0.0, sft_steps=1, rewards=[CompletionLength()])
+    if cause == "gradient":
+        backwards = []
+
+        def third_backward_is_inf(grad):  # the loss stays finite
+            backwards.append(1)
+            return torch.full_like(grad, float("inf")) if len(backwards) == 3 else grad
+
+        module.policy.model.norm.weight.register_hook(third_backward_is_inf)
+    else:
+        rollouts = []
+
+        def second_rollout_is_nan(functions, completions, targets, truncated):
+            rollouts.append(1)
+            return [float("nan") if len(rollouts) == 2 else len(c) / 100 for c in completions], {}
+
+        monkeypatch.setattr("interleave_model.module.combine", second_rollout_is_nan)
+    logger = Captured()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=2))
+
+    assert module.guard.skipped == 1
+    # (step, learning rate logged, skipped steps so far, warm-start loss logged, GRPO loss logged): a key a step does
+    # not measure is absent (Lightning would repeat its last value), and the step is the trainer's global_step
+    table = [(step, "train/lr" in m, m.get("train/skipped_steps"), "train/sft_loss" in m, "train/loss" in m)
+             for step, m in logger.rows]  # fmt: skip
+    assert table == [
+        (1, True, 0.0, True, False),
+        (2, True, 0.0, False, True),
+        (3, False, 1.0, False, True),
+        (4, True, 1.0, False, True),
+    ]
+
+
+def test_a_batch_of_several_updates_logs_at_the_global_step_after_them(make_module, make_datamodule):
+    module = make_module(num_iterations=2, beta=0.0, rewards=[CompletionLength()])
+    logger = Captured()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    assert [step for step, _ in logger.rows] == [2, 4]  # two batches of two optimizer steps each
 
 
 class NormsOfGradients(TorchDispatchMode):
