@@ -40,7 +40,7 @@ from interleave_model.policy import (
     prepare_for_training,
 )
 from interleave_model.preflight import preflight
-from interleave_model.ranks import batch_scaled_advantages
+from interleave_model.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.records import StepRecord, Trajectory, trajectory_stats
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
@@ -211,7 +211,11 @@ class InterleaveGRPO(L.LightningModule):
             for _ in range(self.loss.num_iterations):
                 update = self.grpo_step(trajectory)
             stats |= update  # the last update's: its loss, and its learning rate unless it was skipped
+        # each value the mean of the ranks' (a std: the mean of their stds), so every rank logs the same
+        stats = mean_over_ranks(stats, self._sum_over_ranks, self.device)
         self.log_dict(stats, batch_size=len(batch["targets"]))
+        if "train/reward_mean" in stats:
+            self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
         # replayed rows come last in a batch; its stage is its longest length
         self.log("stage", float(max(batch["n_words"])), prog_bar=True, batch_size=1)
         self._log_step()
@@ -283,7 +287,6 @@ class InterleaveGRPO(L.LightningModule):
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
-        self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
         return trajectory, stats
 
     def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
@@ -325,6 +328,7 @@ class InterleaveGRPO(L.LightningModule):
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
+        stats["train/advantage_abs_mean"] = trajectory.advantages.abs().mean().item()  # as the loss weighed tokens
         stats["time/update_s"] = time.perf_counter() - started
         return stats
 
