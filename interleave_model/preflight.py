@@ -16,11 +16,11 @@ from interleave_model.alignment import align
 from interleave_model.policy import PolicyError
 from interleave_model.rollout import decode
 
-LONGEST = 32  # examples per length whose prompts and targets are tokenized: the longest, by characters
+CHUNK = 1024  # examples collated at once: every example is tokenized, a chunk's padded prompts at a time
 
 
 class StageFit(NamedTuple):
-    """What one length's longest examples need from the model's context."""
+    """What one length's longest example, in tokens, needs from the model's context."""
 
     n_words: int
     prompt_tokens: int  # the longest prompt, as collated (chat template included)
@@ -62,16 +62,23 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
 
 
 def stage_fit(module, datamodule, n_words: int) -> StageFit:
-    """Tokens the longest examples of `n_words` words need, by the collate and the budget rule the module uses."""
-    examples = sorted(_examples(datamodule, n_words), key=lambda e: len(e.target), reverse=True)[:LONGEST]
-    batch = datamodule.collate(examples, "eval")
+    """Tokens the longest example of `n_words` words needs, by the collate and the budget rule the module uses.
+
+    Every example is tokenized, in batches, as `collate` does it: the longest in characters is not always the longest
+    in tokens (docs/ARCHITECTURE.md has what this costs).
+    """
+    examples, prompt_tokens, longest = _examples(datamodule, n_words), 0, []
+    for start in range(0, len(examples), CHUNK):
+        batch = datamodule.collate(examples[start : start + CHUNK], "eval")
+        prompt_tokens = max(prompt_tokens, int(batch["prompt_mask"].sum(-1).max()))
+        longest = max([longest, *batch["target_ids"]], key=len)
     try:
-        answer = module.sampler.budget(batch["target_ids"])
+        answer = module.sampler.budget([longest])  # the budget follows a batch's longest target
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
-    return StageFit(n_words, int(batch["prompt_mask"].sum(-1).max()), answer, limit)
+    return StageFit(n_words, prompt_tokens, answer, limit)
 
 
 def check_fit(fit: StageFit) -> None:
