@@ -28,11 +28,12 @@ class CompletionLength(RewardFunction):
         return [len(c) / 100 for c in completions]
 
 
-def _fit(module, datamodule, steps: int) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
+def _fit(module, datamodule, steps: int, **trainer_args) -> L.Trainer:
+    """Fit for `steps` steps without validation; `trainer_args` add to the Trainer's arguments (a logger, callbacks)."""
+    trainer = L.Trainer(**{
+        "accelerator": "cpu", "max_steps": steps, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+    } | trainer_args)  # fmt: skip
     trainer.fit(module, datamodule=datamodule)
     return trainer
 
@@ -175,21 +176,23 @@ class Snapshots(L.Callback):
         self.taken.append((_snapshot(pl_module.policy), state))
 
 
+def _infinite_gradient_in_backward(module, n: int) -> list[int]:
+    """Make the `n`-th backward's gradient infinite (the loss stays finite); the list returned counts the backwards."""
+    backwards = []
+
+    def hook(grad):
+        backwards.append(1)
+        return torch.full_like(grad, float("inf")) if len(backwards) == n else grad
+
+    module.policy.model.norm.weight.register_hook(hook)
+    return backwards
+
+
 def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
     module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
-    calls = []
-
-    def second_backward_is_inf(grad):  # the loss stays finite; only the gradient norm is not
-        calls.append(1)
-        return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
-
-    module.policy.model.norm.weight.register_hook(second_backward_is_inf)
+    calls = _infinite_gradient_in_backward(module, 2)
     snapshots = Snapshots()
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[snapshots],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    trainer = _fit(module, make_datamodule(module.tokenizer), steps=2, callbacks=[snapshots])
     assert len(calls) == 2 and module.guard.skipped == 1 and trainer.global_step == 2
     (weights_1, state_1), (weights_2, state_2) = snapshots.taken
     assert state_1  # the first step was taken
@@ -214,12 +217,7 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     handle = register_optimizer_step_pre_hook(record)
     try:
-        trainer = L.Trainer(
-            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-        )  # fmt: skip
-        trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+        _fit(module, make_datamodule(module.tokenizer), steps=2, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
     finally:
         handle.remove()
     assert norms and module.guard.skipped == 0
@@ -249,13 +247,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
     # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
     module = make_module(learning_rate=1e-2, beta=0.0, sft_steps=1, rewards=[CompletionLength()])
     if cause == "gradient":
-        backwards = []
-
-        def third_backward_is_inf(grad):  # the loss stays finite
-            backwards.append(1)
-            return torch.full_like(grad, float("inf")) if len(backwards) == 3 else grad
-
-        module.policy.model.norm.weight.register_hook(third_backward_is_inf)
+        _infinite_gradient_in_backward(module, 3)
     else:
         rollouts = []
 
@@ -264,12 +256,8 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
             return [float("nan") if len(rollouts) == 2 else len(c) / 100 for c in completions], {}
 
         monkeypatch.setattr("interleave_model.module.combine", second_rollout_is_nan)
-    logger = Captured()
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=2))
+    logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=2)
+    _fit(module, datamodule, steps=4, logger=logger, log_every_n_steps=1)
 
     assert module.guard.skipped == 1
     # (step, learning rate logged, skipped steps so far, warm-start loss logged, GRPO loss logged): a key a step does
@@ -287,11 +275,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
 def test_a_batch_of_several_updates_logs_at_the_global_step_after_them(make_module, make_datamodule):
     module = make_module(num_iterations=2, beta=0.0, rewards=[CompletionLength()])
     logger = Captured()
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=4, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    _fit(module, make_datamodule(module.tokenizer), steps=4, logger=logger, log_every_n_steps=1)
     assert [step for step, _ in logger.rows] == [2, 4]  # two batches of two optimizer steps each
 
 
