@@ -177,9 +177,14 @@ def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[
         enable_progress_bar=False, enable_model_summary=False, **strategy,
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=loader)
+    return module, *_recorded(record_dir)
+
+
+def _recorded(record_dir: Path) -> tuple[list[dict], list[dict]]:
+    """What each rank wrote to `record_dir`, in rank order: what its GRPO step saw, and what it logged."""
     records, logged = ([json.loads(path.read_text()) for path in sorted(record_dir.glob(f"{name}*.json"))]
                        for name in ("rank", "logged"))  # fmt: skip
-    return module, records, logged
+    return records, logged
 
 
 @pytest.fixture(scope="module")
@@ -195,9 +200,7 @@ def one_and_two(tmp_path_factory):
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     weights = torch.load(tmp_path / "two" / "weights.pt")
-    ranks, logged_two = ([json.loads(path.read_text()) for path in sorted((tmp_path / "two").glob(f"{name}*.json"))]
-                         for name in ("rank", "logged"))  # fmt: skip
-    return one, whole, logged_one, weights, ranks, logged_two
+    return one, whole, logged_one, weights, *_recorded(tmp_path / "two")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
