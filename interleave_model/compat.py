@@ -79,19 +79,6 @@ class CompatCLI(LightningCLI):
         return parser
 
 
-class CompatRichProgressBar(RichProgressBar):
-    """Lightning's rich progress bar whose training description a subclass sets through `train_description`."""
-
-    def train_description(self, current_epoch: int) -> str:
-        """The text before the training bar; Lightning's `Epoch n/m` by default."""
-        return super()._get_train_description(current_epoch)
-
-    # RichProgressBar._get_train_description (lightning 2.6.6) is the only way to change the training bar's text.
-    @override
-    def _get_train_description(self, current_epoch: int) -> str:
-        return self.train_description(current_epoch)
-
-
 def forget_step_values(trainer: Trainer) -> None:
     """Drop the values logged per step by the batch before, so that a batch hands the loggers only what it logged.
 
@@ -106,6 +93,19 @@ def forget_step_values(trainer: Trainer) -> None:
     for entry in results.values() if results is not None else ():
         if entry.meta.on_step and not entry.meta.on_epoch:
             entry.reset()
+
+
+class CompatRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar whose training description a subclass sets through `train_description`."""
+
+    def train_description(self, current_epoch: int) -> str:
+        """The text before the training bar; Lightning's `Epoch n/m` by default."""
+        return super()._get_train_description(current_epoch)
+
+    # RichProgressBar._get_train_description (lightning 2.6.6) is the only way to change the training bar's text.
+    @override
+    def _get_train_description(self, current_epoch: int) -> str:
+        return self.train_description(current_epoch)
 
 
 def inspect_vllm_models_in_process() -> None:
