@@ -12,11 +12,10 @@ from typing import NamedTuple
 
 from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
+from interleave_model import token_counts
 from interleave_model.alignment import align
 from interleave_model.policy import PolicyError
 from interleave_model.rollout import decode
-
-CHUNK = 1024  # examples collated at once: every example is tokenized, a chunk's padded prompts at a time
 
 
 class StageFit(NamedTuple):
@@ -64,21 +63,16 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
 def stage_fit(module, datamodule, n_words: int) -> StageFit:
     """Tokens the longest example of `n_words` words needs, by the collate and the budget rule the module uses.
 
-    Every example is tokenized, in batches, as `collate` does it: the longest in characters is not always the longest
-    in tokens (docs/ARCHITECTURE.md has what this costs).
+    Every example is counted (`token_counts.longest`): the longest in characters is not always the longest in tokens.
     """
-    examples, prompt_tokens, longest = _examples(datamodule, n_words), 0, []
-    for start in range(0, len(examples), CHUNK):
-        batch = datamodule.collate(examples[start : start + CHUNK], "eval")
-        prompt_tokens = max(prompt_tokens, int(batch["prompt_mask"].sum(-1).max()))
-        longest = max([longest, *batch["target_ids"]], key=len)
+    longest = token_counts.longest(datamodule, _examples(datamodule, n_words))
     try:
-        answer = module.sampler.budget([longest])  # the budget follows a batch's longest target
+        answer = module.sampler.budget_for(longest.target)  # the budget follows a batch's longest target
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
-    return StageFit(n_words, prompt_tokens, answer, limit)
+    return StageFit(n_words, longest.prompt, answer, limit)
 
 
 def check_fit(fit: StageFit) -> None:
