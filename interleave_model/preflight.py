@@ -16,6 +16,7 @@ from interleave_model import token_counts
 from interleave_model.alignment import align
 from interleave_model.policy import PolicyError
 from interleave_model.rollout import decode
+from interleave_model.token_counts import Longest
 
 
 class StageFit(NamedTuple):
@@ -39,7 +40,7 @@ def preflight(module, datamodule) -> list[StageFit]:
         datamodule: An `InterleaveDataModule` after `setup()`, built with the module's tokenizer.
     """
     check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
-    fits = [stage_fit(module, datamodule, n) for n in lengths(datamodule)]
+    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule).items()]
     for fit in fits:
         check_fit(fit)
     check_round_trip(module.tokenizer, [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)])
@@ -60,12 +61,14 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
         raise PolicyError(f"{name}: the chat template fails on one user message: {first_line(err)}") from err
 
 
-def stage_fit(module, datamodule, n_words: int) -> StageFit:
-    """Tokens the longest example of `n_words` words needs, by the collate and the budget rule the module uses.
+def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
+    """Tokens the longest example of `n_words` words needs, by the budget rule the module uses.
 
-    Every example is counted (`token_counts.longest`): the longest in characters is not always the longest in tokens.
+    Args:
+        module: An `InterleaveGRPO` (its policy config and budget rule).
+        n_words: The length.
+        longest: Its longest prompt and target in tokens, as collated (`token_counts.longest`).
     """
-    longest = token_counts.longest(datamodule, _examples(datamodule, n_words))
     try:
         answer = module.sampler.budget_for(longest.target)  # the budget follows a batch's longest target
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
@@ -120,7 +123,8 @@ def report(module, datamodule) -> list[str]:
     if tok.bos_token_id is not None:
         lines.append(f"bos: {tok.bos_token_id} {tok.bos_token!r}, {ids.count(tok.bos_token_id)} in a prompt")
     lines.append(f"prompt starts: {tok.convert_ids_to_tokens(ids[:6])}")
-    checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, datamodule, n))) for n in lengths(datamodule)]
+    counts = _longest(datamodule)
+    checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
     targets = [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
     for label, check in checks:
@@ -140,6 +144,12 @@ def _fit_line(fit: StageFit) -> str:
     check_fit(fit)
     limit = "no limit in the config" if fit.limit is None else f"limit {fit.limit}"
     return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
+
+
+def _longest(datamodule) -> dict[int, Longest]:
+    """Each length's longest prompt and target in tokens: every example is counted, as collated, since the longest in
+    characters is not always the longest in tokens."""
+    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in lengths(datamodule)})
 
 
 def _examples(datamodule, n_words: int) -> list:
