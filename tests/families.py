@@ -171,8 +171,6 @@ def _save(model_class, config, tokenizer, generation, folder: Path) -> Path:
 
 
 if __name__ == "__main__":
-    import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
-
     out = Path(sys.argv[1] if len(sys.argv) > 1 else "families")
     for family in FAMILIES:
         print(build_family(family, out / family))
