@@ -67,8 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
-    import interleave_model  # noqa: F401  first: it hides torch add-ons that cannot load (interleave_model/shield.py)
-    from interleave_model.preflight import lengths, preflight
+    from interleave_model.preflight import lengths, preflight  # interleave_model before lightning, as cli.py
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -15,17 +15,28 @@ from interleave_model.policy import prepare_tokenizer
 from interleave_model.token_counts import Longest, lengths, longest
 
 
+def _family(family_folders, name: str):
+    return prepare_tokenizer(AutoTokenizer.from_pretrained(family_folders[name]))
+
+
 @pytest.fixture(params=["tiny", "llama3", "qwen2", "gpt2"])
 def tokenizer(request, family_folders, make_module):
     """The tiny word-level tokenizer (no chat template) and each family's BPE (chat templates, BOS or none)."""
-    if request.param == "tiny":
-        return make_module().tokenizer
-    return prepare_tokenizer(AutoTokenizer.from_pretrained(family_folders[request.param]))
+    return make_module().tokenizer if request.param == "tiny" else _family(family_folders, request.param)
+
+
+@pytest.fixture
+def llama3(family_folders):
+    return _family(family_folders, "llama3")
 
 
 def _collated(dm, examples) -> tuple[list[int], list[int]]:
     batch = dm.collate(examples, "eval")
     return batch["prompt_mask"].sum(-1).tolist(), [len(ids) for ids in batch["target_ids"]]
+
+
+def _longest_collated(dm, examples) -> Longest:
+    return Longest(*map(max, _collated(dm, examples)))
 
 
 def test_every_example_is_counted_as_collate_tokenizes_it(tokenizer, make_datamodule, monkeypatch):
@@ -44,28 +55,18 @@ def test_every_example_is_counted_as_collate_tokenizes_it(tokenizer, make_datamo
     assert longest(dm, {8: examples}) == {8: Longest(max(counted), max(targets))}
 
 
-def test_a_tokenizer_without_a_rust_backend_is_counted_through_its_own_call(family_folders, make_datamodule,
-                                                                              monkeypatch):  # fmt: skip
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(family_folders["llama3"]))
+def test_a_tokenizer_without_a_rust_backend_is_counted_through_its_own_call(llama3, make_datamodule, monkeypatch):
     monkeypatch.setattr(token_counts, "pipeline", lambda tokenizer: None)  # as for a slow (pure Python) tokenizer
-    dm = make_datamodule(tokenizer)
+    dm = make_datamodule(llama3)
     examples = dm.examples(8, "train")
-    prompts, targets = _collated(dm, examples)
-    assert longest(dm, {8: examples}) == {8: Longest(max(prompts), max(targets))}
+    assert longest(dm, {8: examples}) == {8: _longest_collated(dm, examples)}
 
 
-def test_special_token_text_is_split_when_the_tokenizer_says_so(family_folders, make_datamodule):
-    tokenizer = prepare_tokenizer(AutoTokenizer.from_pretrained(family_folders["llama3"]))
-    tokenizer.split_special_tokens = True  # the chat template's <|begin_of_text|> and headers become plain text
-    dm = make_datamodule(tokenizer)
-    examples = dm.examples(4, "train")
-    prompts, targets = _collated(dm, examples)
-    assert longest(dm, {8: examples}) == {8: Longest(max(prompts), max(targets))}
-
-
-@pytest.fixture
-def llama3(family_folders):
-    return prepare_tokenizer(AutoTokenizer.from_pretrained(family_folders["llama3"]))
+def test_special_token_text_is_split_when_the_tokenizer_says_so(llama3, make_datamodule):
+    llama3.split_special_tokens = True  # the chat template's <|begin_of_text|> and headers become plain text
+    dm = make_datamodule(llama3)
+    examples = dm.examples(8, "train")
+    assert longest(dm, {8: examples}) == {8: _longest_collated(dm, examples)}
 
 
 @pytest.fixture
@@ -134,7 +135,7 @@ def test_a_change_to_what_the_counts_depend_on_is_counted_anew(change, llama3, m
     CHANGES[change](dm)
     pool = dm.examples(4, "train")
 
-    assert longest(dm, {4: pool}) == {4: Longest(*map(max, _collated(dm, pool)))}
+    assert longest(dm, {4: pool}) == {4: _longest_collated(dm, pool)}
     assert counted == [40, 40]  # counted anew, not read back
 
 
