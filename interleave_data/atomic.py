@@ -15,14 +15,24 @@ from pathlib import Path
 
 
 @contextlib.contextmanager
-def replacing(path: str | os.PathLike) -> Iterator[Path]:
+def replacing(path: str | os.PathLike, concurrent: bool = False) -> Iterator[Path]:
     """Yield `.<name>.tmp` beside `path` for the block to write; rename it over `path` when the block succeeds.
 
     On an exception the temporary file is removed and `path` is left as it was.
+
+    Args:
+        path: The file to write.
+        concurrent: Other processes may write the same content to `path` at the same time (a cache every rank
+            writes): the block writes a private file of its own (`.<name>.tmp-<random>`), and the last rename wins.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    if concurrent:
+        handle, name = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+        os.close(handle)
+        tmp = Path(name)
+    else:
+        tmp = path.with_name(f".{path.name}.tmp")
     try:
         yield tmp
         os.replace(tmp, path)

@@ -54,8 +54,12 @@ def cache_path(
         "seed": seed,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
-    root = Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE)
-    return root / "interleave_data" / digest[:24]
+    return cache_root(cache_dir) / digest[:24]
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    """The folder of every build (and of the preflight's token counts); `cache_dir` None means the HF datasets cache."""
+    return (Path(cache_dir) if cache_dir else Path(datasets.config.HF_DATASETS_CACHE)) / "interleave_data"
 
 
 def build_cache(

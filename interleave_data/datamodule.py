@@ -14,7 +14,7 @@ from interleave_data.corpus import CorpusError
 from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
 from interleave_data.pairs import SPLITS, Example, Split, check_fractions
-from interleave_data.prompts import TEMPLATES, TemplateName, format_prompt
+from interleave_data.prompts import TEMPLATES, TemplateName, adds_special_tokens, format_prompt
 
 
 class InterleaveDataModule(LightningDataModule):
@@ -228,11 +228,8 @@ class InterleaveDataModule(LightningDataModule):
         if tokenizer.pad_token_id is None:
             raise RuntimeError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token)")
         prompts = [format_prompt(e.a, e.b, self.template, tokenizer) for e in examples]
-        # A chat template already writes the special tokens (BOS); adding them again would double them.
-        chat = bool(getattr(tokenizer, "chat_template", None))
-        encoded = tokenizer(
-            prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=not chat
-        )
+        special = adds_special_tokens(tokenizer)
+        encoded = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=special)
         targets = [e.target for e in examples]
         return {
             "prompt_ids": encoded["input_ids"].long(),  # [B, P]

@@ -45,3 +45,9 @@ def format_prompt(a: str, b: str, template: TemplateName = "two_processes", toke
     return tokenizer.apply_chat_template(
         [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
     )
+
+
+def adds_special_tokens(tokenizer) -> bool:
+    """Whether a prompt from `format_prompt` is tokenized with the tokenizer's special tokens: not when a chat template
+    wrote them (BOS), which would double them."""
+    return not getattr(tokenizer, "chat_template", None)

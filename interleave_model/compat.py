@@ -78,6 +78,22 @@ class CompatCLI(LightningCLI):
         return parser
 
 
+def forget_step_values(trainer: Trainer) -> None:
+    """Drop the values logged per step by the batch before, so that a batch hands the loggers only what it logged.
+
+    Lightning keeps every value logged with `on_step` and hands it to the loggers again at each later step of the
+    epoch until it is logged anew: the warm-start's loss went on through GRPO, a skipped step repeated the learning
+    rate of the step before. The train stream is one endless epoch, so they never ended. Call it as a batch starts,
+    before anything of that batch is logged (the module's `on_train_batch_start`; no callback here logs earlier).
+    """
+    # Trainer._results (lightning 2.6.6) is the running loop's _ResultCollection; resetting one of its entries keeps
+    # it from the loggers (and from callback_metrics' update) until it is logged again. Those logged per epoch stay.
+    results = trainer._results
+    for entry in results.values() if results is not None else ():
+        if entry.meta.on_step and not entry.meta.on_epoch:
+            entry.reset()
+
+
 class CompatRichProgressBar(RichProgressBar):
     """Lightning's rich progress bar whose training description a subclass sets through `train_description`."""
 

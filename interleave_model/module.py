@@ -10,12 +10,14 @@ from typing import Literal
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
 from interleave_data.prompts import TemplateName
 from interleave_model import grpo
 from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
+from interleave_model.compat import forget_step_values
 from interleave_model.dynamic_sampling import DynamicSampling, refill
 from interleave_model.evaluation import Evaluator, logged_values, prediction_records
 from interleave_model.logprobs import (
@@ -38,7 +40,7 @@ from interleave_model.policy import (
     prepare_for_training,
 )
 from interleave_model.preflight import preflight
-from interleave_model.ranks import batch_scaled_advantages
+from interleave_model.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.records import StepRecord, Trajectory, trajectory_stats
 from interleave_model.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.rollout import Rollout
@@ -172,6 +174,11 @@ class InterleaveGRPO(L.LightningModule):
         self.train()
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.optimization.max_grad_norm and isinstance(self.trainer.strategy, FSDPStrategy):
+            # StepGuard clips by the norm of the gradients a rank holds: under FSDP that is one shard's norm (and
+            # Lightning's FSDP precision refuses clipping by norm too)
+            raise ValueError("model.optimization.max_grad_norm: clipping needs whole gradients on each rank, and FSDP "
+                             "shards them; set it to 0")  # fmt: skip
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             preflight(self, datamodule)  # bad input is one line now, not after the warm-start
@@ -202,10 +209,16 @@ class InterleaveGRPO(L.LightningModule):
                 )
                 trajectory = trajectory._replace(advantages=advantages)
             for _ in range(self.loss.num_iterations):
-                stats |= self.grpo_step(trajectory)
+                update = self.grpo_step(trajectory)
+            stats |= update  # the last update's: its loss, and its learning rate unless it was skipped
+        # each value the mean of the ranks' (a std: the mean of their stds), so every rank logs the same
+        stats = mean_over_ranks(stats, self._sum_over_ranks, self.device)
         self.log_dict(stats, batch_size=len(batch["targets"]))
+        if "train/reward_mean" in stats:
+            self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
         # replayed rows come last in a batch; its stage is its longest length
         self.log("stage", float(max(batch["n_words"])), prog_bar=True, batch_size=1)
+        self._log_step()
         return {"record": record}
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -213,6 +226,9 @@ class InterleaveGRPO(L.LightningModule):
 
     def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
+
+    def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
+        forget_step_values(self.trainer)  # a step logs what it measured, not what an earlier step did
 
     def on_validation_epoch_end(self) -> None:
         self._log_metrics("val")
@@ -271,7 +287,6 @@ class InterleaveGRPO(L.LightningModule):
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
-        self.log("reward", stats["train/reward_mean"], prog_bar=True, batch_size=1)
         return trajectory, stats
 
     def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
@@ -312,8 +327,8 @@ class InterleaveGRPO(L.LightningModule):
             totals["pg_loss"] += out.pg_loss.item() * share
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
-        self._step_optimizer(totals["loss"], "grpo")
-        stats = {f"train/{k}": v for k, v in totals.items()}
+        stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
+        stats["train/advantage_abs_mean"] = trajectory.advantages.abs().mean().item()  # as the loss weighed tokens
         stats["time/update_s"] = time.perf_counter() - started
         return stats
 
@@ -326,8 +341,8 @@ class InterleaveGRPO(L.LightningModule):
         logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
         loss = grpo.sft_loss(logits, labels)
         self.manual_backward(loss)
-        self._step_optimizer(loss.item(), "sft")
-        return {"train/sft_loss": loss.item(), "time/update_s": time.perf_counter() - started}
+        stats = {"train/sft_loss": loss.item()} | self._step_optimizer(loss.item(), "sft")
+        return stats | {"time/update_s": time.perf_counter() - started}
 
     # ---------------------------------------------------------------- pieces
 
@@ -357,6 +372,7 @@ class InterleaveGRPO(L.LightningModule):
         for name, value in logged_values(rows, prefix).items():
             # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
             self.log(name, value, batch_size=1, sync_dist=True)
+        self._log_step()
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
@@ -375,33 +391,38 @@ class InterleaveGRPO(L.LightningModule):
         """The sum of a tensor over all ranks (the tensor itself on one process)."""
         return self.trainer.strategy.reduce(x.clone(), reduce_op="sum")
 
-    def _step_optimizer(self, loss: float, phase: str) -> None:
-        """Set the scheduled rate and step; a non-finite loss skips the step (`StepGuard`), which still counts."""
-        optimizer = self.optimizers()
-        if math.isfinite(loss):
-            opt = self.optimization
-            lr = phase_learning_rate(
-                phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate,
-                opt.warmup_steps, opt.sft_steps, opt.lr_schedule,
-            )  # fmt: skip
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            self.log("train/lr", lr, batch_size=1)
-        else:
+    def _step_optimizer(self, loss: float, phase: str) -> dict[str, float]:
+        """Set the scheduled rate and step; a non-finite loss or gradient norm skips the step (`StepGuard`), which
+        still counts. Returns what the step logs: the steps skipped so far, and its learning rate unless it skipped."""
+        optimizer, skipped = self.optimizers(), self.guard.skipped
+        opt = self.optimization
+        lr = phase_learning_rate(
+            phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate,
+            opt.warmup_steps, opt.sft_steps, opt.lr_schedule,
+        )  # fmt: skip
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if not math.isfinite(loss):
             self.guard.skip(optimizer)
-            self.log("train/skipped_steps", float(self.guard.skipped), batch_size=1)
-        optimizer.step()
+        optimizer.step()  # on_before_optimizer_step: skipped there for a non-finite gradient norm, or clipped
+        logged = {"train/skipped_steps": float(self.guard.skipped)}
+        return logged if self.guard.skipped > skipped else logged | {"train/lr": lr}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Skip a step whose gradient norm is not finite on any rank, else clip it (`step_guard.py` says why here)."""
-        norm = self.optimization.max_grad_norm
-
-        def clip(optimizer: torch.optim.Optimizer) -> None:
-            self.clip_gradients(optimizer, gradient_clip_val=norm, gradient_clip_algorithm="norm")
-
+        """Skip a step whose loss or gradient norm is not finite on any rank, else clip it (`step_guard.py` says why
+        here)."""
         any_rank = lambda local: self.trainer.strategy.reduce_boolean_decision(local, all=False)  # noqa: E731
-        if self.guard.before_step(optimizer, any_rank, clip if norm else None):
-            self.log("train/skipped_steps", float(self.guard.skipped), batch_size=1)
+        self.guard.before_step(optimizer, any_rank, self.optimization.max_grad_norm)
+
+    def _log_step(self) -> None:
+        """Have every scalar of this batch (or evaluation) logged at the trainer's `global_step`.
+
+        A logged `step` is the step Lightning hands the loggers; its own count of batches gains one at each resume
+        from a checkpoint saved after a validation, and differs from `global_step` whenever a batch makes several
+        optimizer steps (`num_iterations`).
+        """
+        # an evaluation logs once, at its end: the same on every rank, synced only to keep Lightning quiet
+        self.log("step", float(self.global_step), batch_size=1, sync_dist=not self.training)
 
     def _generator(self) -> torch.Generator:
         if self._rng is None or self._rng.device != self.device:

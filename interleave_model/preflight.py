@@ -12,15 +12,15 @@ from typing import NamedTuple
 
 from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
+from interleave_model import token_counts
 from interleave_model.alignment import align
 from interleave_model.policy import PolicyError
 from interleave_model.rollout import decode
-
-LONGEST = 32  # examples per length whose prompts and targets are tokenized: the longest, by characters
+from interleave_model.token_counts import Longest
 
 
 class StageFit(NamedTuple):
-    """What one length's longest examples need from the model's context."""
+    """What one length's longest example, in tokens, needs from the model's context."""
 
     n_words: int
     prompt_tokens: int  # the longest prompt, as collated (chat template included)
@@ -40,7 +40,7 @@ def preflight(module, datamodule) -> list[StageFit]:
         datamodule: An `InterleaveDataModule` after `setup()`, built with the module's tokenizer.
     """
     check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
-    fits = [stage_fit(module, datamodule, n) for n in lengths(datamodule)]
+    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule).items()]
     for fit in fits:
         check_fit(fit)
     check_round_trip(module.tokenizer, [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)])
@@ -61,17 +61,21 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
         raise PolicyError(f"{name}: the chat template fails on one user message: {first_line(err)}") from err
 
 
-def stage_fit(module, datamodule, n_words: int) -> StageFit:
-    """Tokens the longest examples of `n_words` words need, by the collate and the budget rule the module uses."""
-    examples = sorted(_examples(datamodule, n_words), key=lambda e: len(e.target), reverse=True)[:LONGEST]
-    batch = datamodule.collate(examples, "eval")
+def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
+    """Tokens the longest example of `n_words` words needs, by the budget rule the module uses.
+
+    Args:
+        module: An `InterleaveGRPO` (its policy config and budget rule).
+        n_words: The length.
+        longest: Its longest prompt and target in tokens, as collated (`token_counts.longest`).
+    """
     try:
-        answer = module.sampler.budget(batch["target_ids"])
+        answer = module.sampler.budget_for(longest.target)  # the budget follows a batch's longest target
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
-    return StageFit(n_words, int(batch["prompt_mask"].sum(-1).max()), answer, limit)
+    return StageFit(n_words, longest.prompt, answer, limit)
 
 
 def check_fit(fit: StageFit) -> None:
@@ -119,7 +123,8 @@ def report(module, datamodule) -> list[str]:
     if tok.bos_token_id is not None:
         lines.append(f"bos: {tok.bos_token_id} {tok.bos_token!r}, {ids.count(tok.bos_token_id)} in a prompt")
     lines.append(f"prompt starts: {tok.convert_ids_to_tokens(ids[:6])}")
-    checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, datamodule, n))) for n in lengths(datamodule)]
+    counts = _longest(datamodule)
+    checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
     targets = [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
     for label, check in checks:
@@ -139,6 +144,12 @@ def _fit_line(fit: StageFit) -> str:
     check_fit(fit)
     limit = "no limit in the config" if fit.limit is None else f"limit {fit.limit}"
     return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
+
+
+def _longest(datamodule) -> dict[int, Longest]:
+    """Each length's longest prompt and target in tokens: every example is counted, as collated, since the longest in
+    characters is not always the longest in tokens."""
+    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in lengths(datamodule)})
 
 
 def _examples(datamodule, n_words: int) -> list:

@@ -39,14 +39,17 @@ class StepRecord(NamedTuple):
 
 
 def trajectory_stats(trajectory: Trajectory, num_generations: int) -> dict[str, float]:
-    """What a step logs of its trajectory: the rewards and their spread, the advantages, the completions' lengths."""
+    """What a step logs of its rollout: the rewards and their spread, the completions' lengths.
+
+    The advantages are logged by the update that uses them (`InterleaveGRPO.grpo_step`): dynamic sampling and the
+    batch-wide scaling replace them after this.
+    """
     rewards, roll = trajectory.rewards, trajectory.rollout  # [P*G]
     zero_std = grpo.zero_std_groups(rewards, num_generations)  # [P]
     return {
         "train/reward_mean": rewards.mean().item(),
         "train/reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
         "train/frac_zero_std_groups": zero_std.float().mean().item(),
-        "train/advantage_abs_mean": trajectory.advantages.abs().mean().item(),
         "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
         "train/truncated_frac": roll.truncated.float().mean().item(),
     }

@@ -123,14 +123,13 @@ def place_run(config: Namespace, subcommand: str) -> Path | None:
 
 
 def next_logged_step(checkpoint: Path) -> int | None:
-    """The first logger step of a resume from `checkpoint`: Lightning's count of batches that stepped, plus one.
+    """The first logger step of a resume from `checkpoint`: its `global_step` plus one.
 
-    A checkpoint is saved before the count takes in its own batch, and the training loop adds it on restart
-    (`_TrainingEpochLoop.reset`).
+    The module logs every scalar at the trainer's `global_step` (`InterleaveGRPO._log_step`), and what a run logged
+    at the checkpoint's own step was logged by the steps the checkpoint holds.
     """
     state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # mmap: reads only this much
-    loop = state.get("loops", {}).get("fit_loop", {}).get("epoch_loop.state_dict", {})
-    return loop["_batches_that_stepped"] + 1 if "_batches_that_stepped" in loop else None
+    return state["global_step"] + 1 if "global_step" in state else None
 
 
 def config_filename(run_dir: Path) -> str:

@@ -79,10 +79,13 @@ class Sampler:
         return roll
 
     def budget(self, target_ids: list[list[int]]) -> int:
-        """Token budget for a batch's targets (their token ids, from `collate`); a fixed budget that cannot hold a
-        target is refused, not silently truncating."""
-        lengths = [len(ids) for ids in target_ids]
-        needed = max(lengths) + 1  # + EOS
+        """Token budget for a batch's targets (their token ids, from `collate`)."""
+        return self.budget_for(max(len(ids) for ids in target_ids))
+
+    def budget_for(self, longest: int) -> int:
+        """Token budget for targets of at most `longest` tokens; a fixed budget that cannot hold them is refused, not
+        silently truncating."""
+        needed = longest + 1  # + EOS
         fixed = self.sampling.max_new_tokens
         if fixed is not None:
             if fixed < needed:
@@ -91,7 +94,7 @@ class Sampler:
                     "raise it or leave it null to size the budget from the targets"
                 )
             return fixed
-        return token_budget(lengths, margin=self.sampling.budget_margin)
+        return token_budget([longest], margin=self.sampling.budget_margin)
 
     def importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
         """The truncated importance weights of these rows when the engine sampled them and the correction is on."""

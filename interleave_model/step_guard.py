@@ -5,6 +5,10 @@ stay on time) but moves nothing: AdamW skips parameters without a gradient, so n
 change. The other steps are clipped where the gradients are the true ones: Lightning's `on_before_optimizer_step`
 runs inside `optimizer.step()`, after a 16-mixed GradScaler has unscaled them (once); clipping before `step()` would
 clip the scaled gradients (to `max_grad_norm / scale`).
+
+The gradient norm is taken once a step, and both decisions read it: the skip, and the clip (`clip_grads_with_norm_`
+with that norm is what `clip_grad_norm_` does after taking it). It is the norm of the gradients this rank holds, so
+they must be whole on every rank (one device, DDP), not shards (FSDP).
 """
 
 from __future__ import annotations
@@ -23,30 +27,29 @@ class StepGuard:
 
     def __init__(self, skipped: int = 0) -> None:
         self.skipped = skipped
+        self._dropped = False  # this step's gradients were dropped for a non-finite loss
 
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop the gradients, so the coming `step()` is counted but moves nothing, and count the skip."""
         self.skipped += 1
+        self._dropped = True
         optimizer.zero_grad(set_to_none=True)
 
     def before_step(
-        self,
-        optimizer: torch.optim.Optimizer,
-        on_any_rank: Callable[[bool], bool],
-        clip: Callable[[torch.optim.Optimizer], None] | None,
-    ) -> bool:
-        """Skip the step if its gradient norm is not finite on any rank, else `clip` it; True when it skipped.
+        self, optimizer: torch.optim.Optimizer, on_any_rank: Callable[[bool], bool], max_norm: float
+    ) -> None:
+        """Skip the step if its loss or gradient norm is not finite on any rank, else clip it to `max_norm` (0: no
+        clipping).
 
-        Every rank calls this once per step: `on_any_rank` (a collective) agrees on the skip. A step whose gradients
-        were already dropped (a non-finite loss, skipped and counted by `skip`) is left alone.
+        Every rank calls this once per step: `on_any_rank` (a collective) agrees on the skip, so every rank skips and
+        counts the same steps. A step whose gradients `skip` dropped already is counted once.
         """
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        local = bool(grads) and not torch.isfinite(torch.nn.utils.get_total_norm(grads)).item()
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
+        local = self._dropped or (norm is not None and not torch.isfinite(norm).item())
         skip = on_any_rank(local)
-        if not grads:
-            return False
-        if skip:
+        if skip and not self._dropped:
             self.skip(optimizer)
-        elif clip is not None:
-            clip(optimizer)
-        return skip
+        elif not skip and max_norm and norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        self._dropped = False

@@ -144,6 +144,10 @@ class ScriptedGRPO(InterleaveGRPO):
         (Path(self.record_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))
         return stats
 
+    def on_train_end(self):  # what this rank logged
+        logged = {k: float(v) for k, v in self.trainer.callback_metrics.items() if k.startswith("train/")}
+        (Path(self.record_dir) / f"logged{self.global_rank}.json").write_text(json.dumps(logged))
+
 
 def _collate(items: list[int]) -> dict:
     prompt_ids = torch.tensor([[5 + k, 6, 7] for k in items])  # [P, 3]
@@ -154,7 +158,7 @@ def _collate(items: list[int]) -> dict:
     }  # fmt: skip
 
 
-def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[dict]]:
+def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[dict], list[dict]]:
     module = ScriptedGRPO(
         tiny=TinyModelConfig(**TINY_SHAPE), template="compact", rewards=[ScriptedReward()],
         sampling=Sampling(num_generations=2), loss=Loss(beta=0.0, loss_type="dapo", scale_rewards="batch"),
@@ -170,14 +174,21 @@ def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[
         enable_progress_bar=False, enable_model_summary=False, **strategy,
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=loader)
-    records = [json.loads(path.read_text()) for path in sorted(record_dir.glob("rank*.json"))]
-    return module, records
+    return module, *_recorded(record_dir)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_path):
-    before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]
-    one, (whole,) = _train_one_step(tmp_path / "one", devices=1)
+def _recorded(record_dir: Path) -> tuple[list[dict], list[dict]]:
+    """What each rank wrote to `record_dir`, in rank order: what its GRPO step saw, and what it logged."""
+    records, logged = ([json.loads(path.read_text()) for path in sorted(record_dir.glob(f"{name}*.json"))]
+                       for name in ("rank", "logged"))  # fmt: skip
+    return records, logged
+
+
+@pytest.fixture(scope="module")
+def one_and_two(tmp_path_factory):
+    """One scripted step on one process, and the same step on two gloo ranks: what each saw, logged and trained."""
+    tmp_path = tmp_path_factory.mktemp("scripted")
+    one, (whole,), (logged_one,) = _train_one_step(tmp_path / "one", devices=1)
     # The two gloo ranks are forked by a fresh process (`__main__` below), which returns rank 0's weights: forked
     # from this one, after other tests' threads (vLLM's engine) ran, a rank could inherit a held lock and hang.
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -185,7 +196,13 @@ def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_p
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     weights = torch.load(tmp_path / "two" / "weights.pt")
-    ranks = [json.loads(path.read_text()) for path in sorted((tmp_path / "two").glob("rank*.json"))]
+    return one, whole, logged_one, weights, *_recorded(tmp_path / "two")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(one_and_two):
+    before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]
+    one, whole, _, weights, ranks, _ = one_and_two
 
     assert len(ranks) == 2 and sorted(ranks[0]["texts"] + ranks[1]["texts"]) == sorted(whole["texts"])
     advantages = dict(zip(whole["texts"], whole["advantages"], strict=True))  # "batch": the std of all 8 rewards
@@ -199,7 +216,22 @@ def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(tmp_p
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_ranks_log_the_means_over_both_and_the_advantages_the_loss_used(one_and_two):
+    _, whole, logged_one, _, ranks, (rank0, rank1) = one_and_two
+    assert rank0 == rank1  # every rank logs the same: the means over the ranks
+    assert ranks[0]["loss"] != pytest.approx(whole["loss"], rel=1e-3)  # rank 0's own loss is not the batch's
+    # With two prompts a rank, the means over the two ranks are the whole batch's values: dapo's loss (each rank's
+    # share of the batch's token sum), the reward, the completions' length, the share of zero-std groups, and the
+    # advantages as rescaled by the std of all 8 rewards, which is what the loss used.
+    for key in ("train/loss", "train/pg_loss", "train/reward_mean", "train/completion_len",
+                "train/frac_zero_std_groups", "train/advantage_abs_mean", "train/lr"):  # fmt: skip
+        assert rank0[key] == pytest.approx(logged_one[key], rel=1e-5), key
+    mean_abs = sum(abs(a) for a in whole["advantages"]) / len(whole["advantages"])
+    assert logged_one["train/advantage_abs_mean"] == pytest.approx(mean_abs, rel=1e-6)
+
+
 if __name__ == "__main__":  # the two-rank half of the test above: python -m tests.test_ddp FOLDER
     folder = Path(sys.argv[1])
-    two, _ = _train_one_step(folder, devices=2)
+    two, _, _ = _train_one_step(folder, devices=2)
     torch.save([p.detach() for p in two.policy.parameters()], folder / "weights.pt")

@@ -83,7 +83,7 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
     newest = folder / "version_1"
     config = (newest / "config.yaml").read_text()
     with SummaryWriter(newest) as writer:  # what a run killed after its last checkpoint (step 4) had logged
-        for step in (4, 5, 6):
+        for step in (5, 6, 7):
             writer.add_scalar("train/loss", 99.0, step)
 
     cli = main(args("fit", "--ckpt_path=last", "--trainer.max_steps=6"))
@@ -94,7 +94,7 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
     assert _hashes(folder / "version_0") == ended[0]
     assert (newest / "config.yaml").read_text() == config and (newest / "config-resume-1.yaml").exists()
     events = EventAccumulator(str(newest)).Reload().Scalars("train/loss")
-    assert [e.step for e in events] == [2, 3, 4, 5]  # GRPO from step 2; one TensorBoard run goes on after the resume
+    assert [e.step for e in events] == [3, 4, 5, 6]  # GRPO from step 3; one TensorBoard run goes on after the resume
     assert 99.0 not in [e.value for e in events]  # and what was logged after the checkpoint is dropped
 
     out = capsys.readouterr().out.splitlines()
@@ -112,3 +112,21 @@ def test_ckpt_path_last_with_no_run_is_a_one_line_error(tmp_path, capsys):
     assert run(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: ckpt_path last: no run under {tmp_path / 'lightning_logs'} has checkpoints/last.ckpt"]
+
+
+def test_tensorboard_steps_are_the_global_step_across_resumes(tmp_path):
+    """Checkpoints saved after each validation, as `data.curriculum.val_threshold` asks: Lightning's own logging step
+    gained one at every resume from such a checkpoint (94 against global_step 92 after two resumes)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(RUN_CONFIG.replace(", every_n_train_steps: 2", ""))  # ModelCheckpoint saves after validation
+    args = ["fit", "--config", str(TINY_CONFIG), "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
+            f"--data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    main([*args, "--trainer.max_steps=4"])
+    for max_steps in (6, 8):
+        cli = main([*args, "--ckpt_path=last", f"--trainer.max_steps={max_steps}"])
+
+    assert cli.trainer.global_step == 8 and Path(cli.trainer.log_dir).name == "version_0"  # one run, resumed twice
+    events = EventAccumulator(cli.trainer.log_dir).Reload()
+    steps = {tag: [e.step for e in events.Scalars(tag)] for tag in ("train/sft_loss", "train/loss", "val/alignment_4w")}
+    # 2 warm-start steps, then GRPO; a validation every 2 steps: each scalar at the global_step it describes
+    assert steps == {"train/sft_loss": [1, 2], "train/loss": [3, 4, 5, 6, 7, 8], "val/alignment_4w": [2, 4, 6, 8]}

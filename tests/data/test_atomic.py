@@ -1,10 +1,10 @@
-"""The concurrent folder build: processes building the same content at once each stage privately; the first wins."""
+"""Concurrent writes: processes writing the same content at once each stage privately; a reader sees one whole copy."""
 
 from __future__ import annotations
 
 import pytest
 
-from interleave_data.atomic import replacing_dir
+from interleave_data.atomic import replacing, replacing_dir
 
 
 def test_a_concurrent_build_finished_first_elsewhere_is_kept_and_this_one_dropped(tmp_path):
@@ -23,3 +23,13 @@ def test_a_failed_concurrent_build_leaves_nothing(tmp_path):
         (staging / "data").write_text("half")
         raise OSError("disk full")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_concurrent_writers_of_one_file_each_write_privately_and_the_last_rename_wins(tmp_path):
+    path = tmp_path / "counts.json"
+    with replacing(path, concurrent=True) as mine, replacing(path, concurrent=True) as theirs:
+        assert mine != theirs and mine.parent == theirs.parent == tmp_path
+        mine.write_text("mine")
+        theirs.write_text("theirs")
+    assert path.read_text() == "mine"  # `theirs` was renamed in first, then `mine` over it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["counts.json"]

@@ -7,7 +7,9 @@ import copy
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.loggers import Logger
 from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from interleave_model import grpo
 from interleave_model.logprobs import sft_inputs
@@ -26,11 +28,12 @@ class CompletionLength(RewardFunction):
         return [len(c) / 100 for c in completions]
 
 
-def _fit(module, datamodule, steps: int) -> L.Trainer:
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
+def _fit(module, datamodule, steps: int, **trainer_args) -> L.Trainer:
+    """Fit for `steps` steps without validation; `trainer_args` add to the Trainer's arguments (a logger, callbacks)."""
+    trainer = L.Trainer(**{
+        "accelerator": "cpu", "max_steps": steps, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+    } | trainer_args)  # fmt: skip
     trainer.fit(module, datamodule=datamodule)
     return trainer
 
@@ -173,21 +176,23 @@ class Snapshots(L.Callback):
         self.taken.append((_snapshot(pl_module.policy), state))
 
 
+def _infinite_gradient_in_backward(module, n: int) -> list[int]:
+    """Make the `n`-th backward's gradient infinite (the loss stays finite); the list returned counts the backwards."""
+    backwards = []
+
+    def hook(grad):
+        backwards.append(1)
+        return torch.full_like(grad, float("inf")) if len(backwards) == n else grad
+
+    module.policy.model.norm.weight.register_hook(hook)
+    return backwards
+
+
 def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
     module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
-    calls = []
-
-    def second_backward_is_inf(grad):  # the loss stays finite; only the gradient norm is not
-        calls.append(1)
-        return torch.full_like(grad, float("inf")) if len(calls) == 2 else grad
-
-    module.policy.model.norm.weight.register_hook(second_backward_is_inf)
+    calls = _infinite_gradient_in_backward(module, 2)
     snapshots = Snapshots()
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[snapshots],
-    )  # fmt: skip
-    trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+    trainer = _fit(module, make_datamodule(module.tokenizer), steps=2, callbacks=[snapshots])
     assert len(calls) == 2 and module.guard.skipped == 1 and trainer.global_step == 2
     (weights_1, state_1), (weights_2, state_2) = snapshots.taken
     assert state_1  # the first step was taken
@@ -212,13 +217,118 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     handle = register_optimizer_step_pre_hook(record)
     try:
-        trainer = L.Trainer(
-            accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-            plugins=[MixedPrecision("16-mixed", "cpu", scaler)],
-        )  # fmt: skip
-        trainer.fit(module, datamodule=make_datamodule(module.tokenizer))
+        _fit(module, make_datamodule(module.tokenizer), steps=2, plugins=[MixedPrecision("16-mixed", "cpu", scaler)])
     finally:
         handle.remove()
     assert norms and module.guard.skipped == 0
     assert norms == pytest.approx([1e-3] * len(norms), rel=1e-3)  # the true gradients were far larger than 1e-3
+
+
+class Captured(Logger):
+    """A logger that keeps every row Lightning hands it, as `(step, metrics)`."""
+
+    name, version = "captured", 0
+
+    def __init__(self):
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log_metrics(self, metrics, step=None):
+        self.rows.append((step, dict(metrics)))
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+
+@pytest.mark.parametrize("cause", ["gradient", "loss"])
+def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_at_its_global_step(
+    cause, make_module, make_datamodule, monkeypatch
+):
+    # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
+    module = make_module(learning_rate=1e-2, beta=0.0, sft_steps=1, rewards=[CompletionLength()])
+    if cause == "gradient":
+        _infinite_gradient_in_backward(module, 3)
+    else:
+        rollouts = []
+
+        def second_rollout_is_nan(functions, completions, targets, truncated):
+            rollouts.append(1)
+            return [float("nan") if len(rollouts) == 2 else len(c) / 100 for c in completions], {}
+
+        monkeypatch.setattr("interleave_model.module.combine", second_rollout_is_nan)
+    logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=2)
+    _fit(module, datamodule, steps=4, logger=logger, log_every_n_steps=1)
+
+    assert module.guard.skipped == 1
+    # (step, learning rate logged, skipped steps so far, warm-start loss logged, GRPO loss logged): a key a step does
+    # not measure is absent (Lightning would repeat its last value), and the step is the trainer's global_step
+    table = [(step, "train/lr" in m, m.get("train/skipped_steps"), "train/sft_loss" in m, "train/loss" in m)
+             for step, m in logger.rows]  # fmt: skip
+    assert table == [
+        (1, True, 0.0, True, False),
+        (2, True, 0.0, False, True),
+        (3, False, 1.0, False, True),
+        (4, True, 1.0, False, True),
+    ]
+
+
+def test_a_batch_of_several_updates_logs_at_the_global_step_after_them(make_module, make_datamodule):
+    module = make_module(num_iterations=2, beta=0.0, rewards=[CompletionLength()])
+    logger = Captured()
+    _fit(module, make_datamodule(module.tokenizer), steps=4, logger=logger, log_every_n_steps=1)
+    assert [step for step, _ in logger.rows] == [2, 4]  # two batches of two optimizer steps each
+
+
+class NormsOfGradients(TorchDispatchMode):
+    """Counts how many times an op takes the norm of one of `params`' gradients."""
+
+    OPS = (torch.ops.aten._foreach_norm, torch.ops.aten.linalg_vector_norm, torch.ops.aten.norm)
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
+        self.grads = {id(p.grad) for p in params}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.OPS:
+            tensors = args[0] if isinstance(args[0], list | tuple) else [args[0]]
+            self.count += sum(id(t) in self.grads for t in tensors)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_gradient_norm_is_taken_once_per_step_and_clips_as_clip_grad_norm(make_module, make_datamodule):
+    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    hook, steps = module.on_before_optimizer_step, []
+
+    def measured(optimizer):  # the module's own hook: skip or clip
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        expected = [torch.zeros_like(p).requires_grad_() for p in params]  # the same gradients, clipped by torch
+        for copy_, p in zip(expected, params, strict=True):
+            copy_.grad = p.grad.clone()
+        torch.nn.utils.clip_grad_norm_(expected, 1e-3)
+        with NormsOfGradients(params) as norms:
+            hook(optimizer)
+        same = all(torch.equal(e.grad, p.grad) for e, p in zip(expected, params, strict=True))
+        steps.append((norms.count / len(params), same))
+
+    module.on_before_optimizer_step = measured
+    _fit(module, make_datamodule(module.tokenizer), steps=2)
+    assert steps == [(1.0, True), (1.0, True)]  # each gradient's norm taken once a step; bitwise the same clip
+
+
+class FakeTrainer:
+    def __init__(self, strategy):
+        self.strategy, self.datamodule = strategy, None
+
+
+def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    module = make_module()
+    module.trainer = FakeTrainer(FSDPStrategy())
+    with pytest.raises(ValueError, match="max_grad_norm: clipping needs whole gradients on each rank"):
+        module.setup("fit")  # the norm StepGuard takes would be one shard's
+    module.setup("validate")  # nothing is clipped there
+    unclipped = make_module(max_grad_norm=0)
+    unclipped.trainer = FakeTrainer(FSDPStrategy())
+    unclipped.setup("fit")

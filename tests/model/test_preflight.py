@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -9,6 +10,7 @@ import shutil
 import pytest
 
 from cli import main, run
+from interleave_data.pairs import interleave
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import PolicyError
 from interleave_model.preflight import preflight
@@ -93,13 +95,33 @@ def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, ma
     assert [fit.n_words for fit in fits] == [4, 8] and all(fit.limit == 2048 for fit in fits)
     for fit in fits:
         examples = [e for split in ("train", "val", "test") for e in dm.examples(fit.n_words, split)]
-        batch = dm.collate(examples, "eval")  # every example: the 32 longest by characters hold the longest in tokens
+        batch = dm.collate(examples, "eval")  # every example
         assert fit.prompt_tokens == batch["prompt_mask"].sum(-1).max()
         assert fit.answer_tokens == module.sampler.budget(batch["target_ids"])
     needed = fits[1].needed
     module.policy.config.max_position_embeddings = needed - 1
     with pytest.raises(PolicyError, match=f"^the 8-word stage needs {needed} tokens .* of {needed - 1}: drop"):
         preflight(module, dm)
+
+
+def test_preflight_finds_the_longest_example_in_tokens_not_in_characters(llama3_module, make_datamodule, monkeypatch):
+    monkeypatch.setattr("interleave_model.token_counts.CHUNK", 16)  # several batches of examples
+    module = llama3_module
+    dm = make_datamodule(module.tokenizer)
+    pool = dm.examples(4, "train")
+    assert len(pool) > 32  # more examples than the preflight used to tokenize
+    # The shortest example in characters becomes the longest in tokens: each of these symbols is 4 bytes that the small
+    # BPE never merged, so a 3-symbol word is 12 tokens, where an English word of the corpus is a few
+    shortest = min(range(len(pool)), key=lambda i: len(pool[i].target))
+    a, b = "🜂🜃🜄 🜁🜂🜃 🜄🜁🜂 🜃🜄🜁", "🝆🝇🝈 🝉🝆🝇 🝈🝉🝆 🝇🝈🝉"
+    pool[shortest] = dataclasses.replace(pool[shortest], a=a, b=b, target=" ".join(interleave(a.split(), b.split())))
+    assert min(pool, key=lambda e: len(e.target)) is pool[shortest]
+
+    (fit, _) = preflight(module, dm)
+
+    batch = dm.collate([pool[shortest]], "eval")
+    assert fit.answer_tokens == module.sampler.budget(batch["target_ids"])
+    assert fit.prompt_tokens == batch["prompt_mask"].sum()
 
 
 def test_round_trip_names_the_first_word_a_normalizer_changes(llama3_module, make_datamodule):

@@ -19,7 +19,7 @@ def _config(root: Path, logger, ckpt_path: str | None) -> Namespace:
 def _checkpoint(folder: Path, mtime: int) -> Path:
     path = folder / "checkpoints" / "last.ckpt"
     path.parent.mkdir(parents=True)
-    torch.save({"loops": {"fit_loop": {"epoch_loop.state_dict": {"_batches_that_stepped": 7}}}}, path)
+    torch.save({"global_step": 7}, path)
     os.utime(path, (mtime, mtime))
     return path
 
@@ -34,7 +34,7 @@ def test_last_is_the_checkpoint_written_last_and_fit_continues_its_run(tmp_path)
 
     assert place_run(config, "fit") == runs / "version_0"
     assert config.ckpt_path == str(runs / "version_0" / "checkpoints" / "last.ckpt")
-    # version 0's checkpoint was saved at batch 7: TensorBoard drops what that run logged from step 8 on
+    # version 0's checkpoint was saved at step 7: TensorBoard drops what that run logged from step 8 on
     init_args = Namespace(save_dir=str(tmp_path / "lightning_logs"), name="demo", version=0, purge_step=8)
     assert config.trainer.logger.init_args == init_args
 
