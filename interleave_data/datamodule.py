@@ -22,7 +22,8 @@ class InterleaveDataModule(LightningDataModule):
 
     Training is an infinite stream: batch ``k`` is drawn from ``random.Random(f"{seed}:train:{k}:{rank}")``, and ``k``
     resumes at the number of batches already run, so a resumed run continues the same stream. Batches
-    ``k < sft_steps`` are supervised warm-start batches from one half of the stage's training pairs; later batches
+    ``k < sft_steps`` are supervised warm-start batches from one half of the stage's training pairs (fewer when
+    ``curriculum.warm_start_until`` ends the warm-start at a held-out score); later batches
     are GRPO batches from the other half, with a share from earlier stages (replay). Validation and test give one
     loader per evaluation length, for a score-vs-length curve.
 
@@ -83,7 +84,7 @@ class InterleaveDataModule(LightningDataModule):
         super().__init__()
         self.corpus = [corpus] if isinstance(corpus, str) else (list(corpus) if corpus else None)
         self.dataset_dir = dataset_dir
-        self.curriculum = Curriculum(stages, replay_fraction, curriculum)
+        self.curriculum = Curriculum(stages, replay_fraction, curriculum, sft_steps)
         self.stages = self.curriculum.stages
         self.eval_lengths = list(self.stages) if eval_stages is None else check_lengths(eval_stages, "eval_stages")
         self.train_pairs = train_pairs
@@ -181,11 +182,11 @@ class InterleaveDataModule(LightningDataModule):
         """Draws training batch ``k`` of ``rank`` at the current stage.
 
         Returns:
-            ``(phase, examples)`` with phase "sft" for ``k < sft_steps``, else "grpo".
+            ``(phase, examples)`` with phase "sft" for a warm-start batch (``Curriculum.warm_start``), else "grpo".
         """
         index = self.curriculum.draw_stage(k)
         rng = random.Random(f"{self.seed}:train:{k}:{rank}")
-        if k < self.sft_steps:
+        if self.curriculum.warm_start(k):
             if self.sft_stages is None:
                 return "sft", _sample(rng, self._train_pool(self.stages[index], "sft"), self.sft_batch_size)
             pools = [self._train_pool(n, "sft") for n in self.sft_stages]

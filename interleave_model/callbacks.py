@@ -80,7 +80,9 @@ class CurriculumCallback(L.Callback):
             return
         value = trainer.callback_metrics.get(f"val/alignment_{self.curriculum.stage_words}w")
         if value is not None:
-            self.curriculum.observe_validation(float(value))
+            # the next batch is already fetched: a warm-start ended now ends from the batch after it
+            message = self.curriculum.observe_validation(float(value), batches_run(trainer) + 1, trainer.global_step)
+            self._announce(message, trainer)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -139,11 +141,17 @@ class CurriculumCallback(L.Callback):
             rank_zero_warn(self.curriculum.state.stopped)
         if decision.stop:
             trainer.should_stop = True
-        if decision.message:
-            rank_zero_info(f"curriculum {decision.message}")
-            for logger in trainer.loggers:
-                if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
-                    logger.experiment.add_text("curriculum/transitions", decision.message, trainer.global_step)
+        self._announce(f"curriculum {decision.message}" if decision.message else "", trainer)
+
+    @staticmethod
+    def _announce(message: str, trainer: L.Trainer) -> None:
+        """A transition's one line, on the console and in TensorBoard's text tab."""
+        if not message:
+            return
+        rank_zero_info(message)
+        for logger in trainer.loggers:
+            if isinstance(logger, TensorBoardLogger) and trainer.is_global_zero:
+                logger.experiment.add_text("curriculum/transitions", message, trainer.global_step)
 
     def _export(self, trainer: L.Trainer, pl_module: L.LightningModule, n_words: int) -> None:
         """The same folder as `cli.py export` writes: a HF model, or a peft adapter under LoRA."""

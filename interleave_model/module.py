@@ -149,6 +149,8 @@ class InterleaveGRPO(L.LightningModule):
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
+        # the step GRPO started at: data.sft_steps, or earlier if data.curriculum.warm_start_until ended the warm-start
+        self.grpo_start: int | None = None
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, model_name_or_path, vllm, seed
@@ -194,6 +196,8 @@ class InterleaveGRPO(L.LightningModule):
         if batch["phase"] == "sft":
             stats = self.sft_step(batch)
         else:
+            if self.grpo_start is None:  # the first GRPO batch (min: a run that warm-started before this was kept)
+                self.grpo_start = min(self.global_step, self.optimization.sft_steps)
             trajectory, stats = self.generate_trajectory(batch)
             roll, G = trajectory.rollout, self.sampling.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
@@ -243,8 +247,10 @@ class InterleaveGRPO(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
         save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
+        checkpoint["grpo_start"] = self.grpo_start
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.grpo_start = checkpoint.get("grpo_start")
         self.guard.skipped, self.reference = restore_run_state(
             checkpoint, self.policy, self.reference, self._generator, self.device
         )
@@ -398,7 +404,7 @@ class InterleaveGRPO(L.LightningModule):
         opt = self.optimization
         lr = phase_learning_rate(
             phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate,
-            opt.warmup_steps, opt.sft_steps, opt.lr_schedule,
+            opt.warmup_steps, opt.sft_steps, opt.lr_schedule, self.grpo_start,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr

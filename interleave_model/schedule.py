@@ -40,13 +40,16 @@ def phase_learning_rate(
     warmup_steps: int,
     sft_steps: int,
     lr_schedule: LrSchedule,
+    grpo_start: int | None = None,
 ) -> float:
     """The learning rate at `step`: each phase has its own schedule.
 
-    The SFT phase ("sft") decays by a cosine over its `sft_steps`; GRPO warms up again from where SFT ended and
-    follows `lr_schedule` to `max_steps`. The other arguments are `InterleaveGRPO`'s of the same names.
+    The SFT phase ("sft") decays by a cosine over its `sft_steps`; GRPO warms up again from where SFT ended
+    (`grpo_start`, which is `sft_steps` unless the warm-start ended early) and follows `lr_schedule` to `max_steps`.
+    The other arguments are `InterleaveGRPO`'s of the same names.
     """
     if phase == "sft":
         return sft_learning_rate * lr_factor(step, warmup_steps, sft_steps, "cosine")
-    step, total = step - sft_steps, max_steps - sft_steps
+    start = sft_steps if grpo_start is None else grpo_start
+    step, total = step - start, max_steps - start
     return learning_rate * lr_factor(max(step, 0), warmup_steps, total, lr_schedule)

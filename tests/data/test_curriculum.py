@@ -55,6 +55,36 @@ def test_validation_score_gates_the_move():
     assert curriculum.state.val_score is None  # a new length needs a score of its own
 
 
+def test_warm_start_ends_at_the_first_validation_that_reaches_its_score():
+    curriculum = Curriculum([10, 20], settings=CurriculumSettings(warm_start_until=0.5), sft_steps=100)
+    assert curriculum.warm_start(99) and not curriculum.warm_start(100)  # until a score ends it: all sft_steps
+
+    assert curriculum.observe_validation(0.4, next_batch=30, global_step=28) == ""
+    assert curriculum.warm_start(99)
+    message = curriculum.observe_validation(0.55, next_batch=52, global_step=50)
+    # the batch after the validation is fetched already: GRPO from the one after it
+    assert curriculum.warm_start(51) and not curriculum.warm_start(52) and not curriculum.warm_start(99)
+    assert message == (
+        "curriculum warm_start_end: 10 -> 10 words at step 50 "
+        "(held-out score 0.550 >= warm_start_until 0.5: GRPO from batch 52)"
+    )
+    assert curriculum.state.history[-1] | {"why": ""} == {
+        "kind": "warm_start_end", "from_words": 10, "to_words": 10, "batch": 51, "global_step": 50, "why": "",
+    }  # fmt: skip
+    assert curriculum.observe_validation(0.9, next_batch=60) == "" and curriculum.state.warm_end == 52  # once
+
+    restored = Curriculum([10, 20], settings=CurriculumSettings(warm_start_until=0.5), sft_steps=100)
+    restored.load_state_dict(curriculum.state_dict())
+    assert restored.warm_start(51) and not restored.warm_start(52)
+
+
+def test_without_warm_start_until_or_after_the_warm_start_a_score_changes_nothing():
+    plain = Curriculum([10], sft_steps=100)
+    assert plain.observe_validation(1.0, next_batch=5) == "" and plain.warm_start(99)
+    late = Curriculum([10], settings=CurriculumSettings(warm_start_until=0.5), sft_steps=100)
+    assert late.observe_validation(0.9, next_batch=100) == "" and late.state.warm_end is None  # GRPO already
+
+
 def test_last_stage_learned_is_done_and_stops_only_when_asked():
     for stop_when_done in (False, True):
         curriculum = _curriculum((4,), threshold=0.5, patience=1, min_steps=0, stop_when_done=stop_when_done)
@@ -175,6 +205,8 @@ def test_bad_lengths_are_named(lengths, message):
         {"window": 0},
         {"collapse_share": 0.0},
         {"on_collapse": "panic"},
+        {"warm_start_until": 0.0},
+        {"warm_start_until": 1.5},
     ],
 )
 def test_bad_settings_are_refused(settings):

@@ -35,8 +35,8 @@ G = 2
 class _DataModule:
     """Holds the curriculum, as InterleaveDataModule does; `moves` lists each move as (stage index, from batch)."""
 
-    def __init__(self, stages=(4, 8, 16), **settings):
-        self.curriculum = Curriculum(stages, settings=CurriculumSettings(**settings))
+    def __init__(self, stages=(4, 8, 16), sft_steps=0, **settings):
+        self.curriculum = Curriculum(stages, settings=CurriculumSettings(**settings), sft_steps=sft_steps)
 
     @property
     def moves(self) -> list[tuple[int, int]]:
@@ -76,9 +76,10 @@ class _Trainer:
             callback.on_train_batch_end(self, self.module, {"record": record}, None, 0)
 
 
-def _curriculum(trainer, export=False, **settings) -> CurriculumCallback:
+def _curriculum(trainer, export=False, sft_steps=0, **settings) -> CurriculumCallback:
     """A CurriculumCallback over a fresh curriculum with these settings (window 1 unless given)."""
-    trainer.datamodule = _DataModule(trainer.datamodule.curriculum.stages, **({"window": 1} | settings))
+    stages = trainer.datamodule.curriculum.stages
+    trainer.datamodule = _DataModule(stages, sft_steps, **({"window": 1} | settings))
     callback = CurriculumCallback(export=export)
     callback.setup(trainer, trainer.module, "fit")
     return callback
@@ -169,6 +170,19 @@ def test_validation_score_is_also_required_when_configured(tmp_path):
     assert (
         trainer.datamodule.moves == [(1, 4)] and cb.curriculum.state.val_score is None
     )  # a new length needs a new score
+
+
+def test_a_validation_that_reaches_warm_start_until_ends_the_warm_start_from_the_batch_after_next(tmp_path):
+    trainer = _Trainer(tmp_path)
+    cb = _curriculum(trainer, sft_steps=100, warm_start_until=0.5)
+    trainer.total.processed, trainer.global_step = 30, 30  # 30 warm-start batches ran, the 31st (index 30) is fetched
+
+    trainer.callback_metrics = {"val/alignment_4w": torch.tensor(0.45)}
+    cb.on_validation_end(trainer, trainer.module)
+    assert cb.curriculum.warm_start(31)
+    trainer.callback_metrics = {"val/alignment_4w": torch.tensor(0.5)}
+    cb.on_validation_end(trainer, trainer.module)
+    assert cb.curriculum.warm_start(30) and not cb.curriculum.warm_start(31)
 
 
 def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):

@@ -332,3 +332,22 @@ def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
     unclipped = make_module(max_grad_norm=0)
     unclipped.trainer = FakeTrainer(FSDPStrategy())
     unclipped.setup("fit")
+
+
+def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module, make_datamodule, tmp_path):
+    # sft_steps 10, but the curriculum ended the warm-start at batch 2 (as a validation reaching warm_start_until
+    # does): steps 1-2 are supervised, 3-4 GRPO, whose learning rate warms up from step 3 (warm-up 2: 1/3, 2/3)
+    module = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, sft_steps=10, rewards=[CompletionLength()])
+    logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=10, sft_batch_size=2)
+    datamodule.curriculum.state.warm_end = 2
+    trainer = _fit(module, datamodule, steps=4, logger=logger, log_every_n_steps=1)
+
+    assert [("train/sft_loss" in m, "train/loss" in m) for _, m in logger.rows] == [(True, False)] * 2 + [
+        (False, True)
+    ] * 2
+    assert module.grpo_start == 2
+    assert [round(m["train/lr"], 6) for _, m in logger.rows[2:]] == [0.01, 0.02]
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    resumed = make_module(sft_steps=10)
+    resumed.on_load_checkpoint(torch.load(tmp_path / "run.ckpt", weights_only=False))
+    assert resumed.grpo_start == 2  # a resumed run keeps GRPO's schedule

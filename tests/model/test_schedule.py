@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from interleave_model.schedule import lr_factor
+from interleave_model.schedule import lr_factor, phase_learning_rate
 
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor():
@@ -25,3 +25,13 @@ def test_constant_and_unknown_total_stay_flat():
 def test_unknown_schedule_is_refused():
     with pytest.raises(ValueError, match="lr_schedule must be one of"):
         lr_factor(0, 0, 10, "linear")
+
+
+def test_grpo_warms_up_from_where_the_warm_start_ended():
+    def grpo(step, grpo_start=None):  # GRPO at 1e-3, warm-up 3, constant; SFT planned for 100 steps
+        return phase_learning_rate("grpo", step, 1000, 1e-3, 1e-2, 3, 100, "constant", grpo_start)
+
+    # warm-up 3: 1/4, 2/4, 3/4, 1 of the rate from GRPO's first step
+    assert [grpo(s) for s in (100, 101, 102, 103)] == [2.5e-4, 5e-4, 7.5e-4, 1e-3]
+    # the warm-start ended at step 40: the same warm-up from there, not a rate held at 1/4 until step 100
+    assert [grpo(s, grpo_start=40) for s in (40, 41, 42, 43, 99)] == [2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3]
