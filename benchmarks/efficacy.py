@@ -1,0 +1,239 @@
+"""What GRPO and the curriculum do to held-out scores on the CPU tiny model. Prints one JSON line per arm.
+
+Every arm starts from a supervised warm-start that ends where a pretrained base stood before GRPO (Llama-3.2-3B:
+0.486 at 10 words): `data.curriculum.warm_start_until`, checked every `--eval-every` batches on held-out pairs.
+Budgets are wall-clock minutes on this machine, one torch thread per run.
+
+- `lift`: GRPO alone from the warm start at 10 words, for `--minutes` (target: >= 0.95 held-out within 15).
+- `sft`: the same start and the same minutes spent on more supervised steps instead, so a reader sees what GRPO adds.
+- `curriculum`: GRPO through `--ladder` (the curriculum's thresholds and replay) from a 2..10-word warm start, for
+  `--minutes`: the held-out score at each length as it is passed, and the capability curve at the end.
+- `direct`: the same start and minutes, GRPO at the ladder's last length only: its zero-variance share, reward and
+  held-out score.
+
+Each arm reports the held-out curve `(GRPO step, seconds, score)` and, per GRPO batch bin, the mean reward and the
+share of zero-variance groups (all G rewards equal: no gradient) and of groups whose G completions are identical.
+
+    python benchmarks/efficacy.py --arms lift sft --seeds 0 1 2 --minutes 15
+    python benchmarks/efficacy.py --arms curriculum direct --minutes 90
+
+Measured on the 2-core machine: README.md, "What GRPO adds, measured".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from interleave_data.curriculum import CurriculumSettings
+from interleave_data.datamodule import InterleaveDataModule, batches_run
+from interleave_model.callbacks import CurriculumCallback
+from interleave_model.grpo import zero_std_groups
+from interleave_model.module import InterleaveGRPO
+from interleave_model.policy import TinyModelConfig
+from interleave_model.settings import grouped_hparams
+
+
+class EndOfWarmStart(L.Callback):
+    """Stops training after the last warm-start batch, before any GRPO update."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not trainer.datamodule.curriculum.warm_start(batches_run(trainer)):
+            trainer.should_stop = True
+
+
+class Clock(L.Callback):
+    """Stops GRPO after `minutes` of it, records the held-out curve and, per GRPO batch, its group statistics."""
+
+    def __init__(self, minutes: float, lengths: list[int]):
+        self.budget, self.lengths = minutes * 60, lengths
+        self.started: float | None = None  # when the first GRPO (or, for a supervised arm, the first) batch began
+        self.curve: list[dict] = []
+        self.batches: list[dict] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.started is None and (batch["phase"] == "grpo" or self.supervised):
+            self.started = time.perf_counter()
+
+    supervised = False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        record = outputs.get("record") if isinstance(outputs, dict) else None
+        if record is not None:
+            G, words = record.num_generations, max(record.n_words)
+            at = [i for i, n in enumerate(record.n_words) if n == words]
+            rewards = record.rewards.view(-1, G)[at]  # [P', G]
+            groups = [record.completions[i * G : (i + 1) * G] for i in at]
+            self.batches.append({
+                "words": words, "reward": rewards.mean().item(),
+                "zero_std": zero_std_groups(rewards.flatten(), G).float().mean().item(),
+                "identical": sum(len(set(g)) == 1 for g in groups) / len(groups),
+            })  # fmt: skip
+        if self.started is not None and time.perf_counter() - self.started >= self.budget:
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer, pl_module):
+        if trainer.sanity_checking:
+            return
+        scores = {n: round(float(trainer.callback_metrics[f"val/alignment_{n}w"]), 3) for n in self.lengths}
+        seconds = 0.0 if self.started is None else round(time.perf_counter() - self.started, 1)
+        self.curve.append({"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}})
+
+
+def _trainer(args, max_steps: int, callbacks, validate_every: int | None) -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
+        val_check_interval=validate_every, check_val_every_n_epoch=None, limit_val_batches=1.0 if validate_every else 0,
+    )  # fmt: skip
+
+
+def _module(args, seed: int, **overrides) -> InterleaveGRPO:
+    tiny = TinyModelConfig(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
+    kwargs = dict(
+        tiny=tiny, template="compact", seed=seed, num_generations=args.num_generations,
+        temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
+        beta=args.beta, lr_schedule="constant", warmup_steps=20, epsilon_high=args.epsilon_high,
+        scale_rewards=args.scale_rewards,
+    )  # fmt: skip
+    return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
+
+
+def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **overrides) -> InterleaveDataModule:
+    kwargs = dict(
+        stages=stages, template="compact", train_pairs=args.train_pairs, val_pairs=args.val_pairs, test_pairs=0,
+        batch_size=args.batch_size, sft_batch_size=32, eval_batch_size=64, seed=seed, cache_dir=args.cache_dir,
+        tokenizer=module.tokenizer,
+    )  # fmt: skip
+    return InterleaveDataModule(**(kwargs | overrides))
+
+
+def warm_start(args, seed: int, stages: list[int], sft_stages: list[int] | None, folder: Path) -> tuple[Path, dict]:
+    """Supervised steps until the held-out score at `stages[0]` reaches `--warm-start-until`; returns the weights."""
+    L.seed_everything(seed, verbose=False)
+    module = _module(args, seed, sft_steps=args.max_sft_steps)
+    settings = CurriculumSettings(warm_start_until=args.warm_start_until)
+    dm = _datamodule(
+        args, module, stages[:1], seed, sft_steps=args.max_sft_steps, sft_stages=sft_stages, curriculum=settings,
+        eval_stages=stages[:1],
+    )  # fmt: skip
+    clock = Clock(0.0, stages[:1])  # its held-out curve
+    started = time.perf_counter()
+    callbacks = [clock, CurriculumCallback(export=False), EndOfWarmStart()]
+    _trainer(args, args.max_sft_steps, callbacks, args.eval_every).fit(module, dm)
+    path = folder / f"warm-{seed}-{stages[0]}.ckpt"
+    torch.save({"state_dict": module.state_dict()}, path)
+    end = dm.curriculum.state.warm_end or args.max_sft_steps
+    score = clock.curve[-1][f"{stages[0]}w"] if clock.curve else None
+    return path, {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: list[int]) -> dict:
+    """One arm from the warm weights, for `--minutes`; its curve, group statistics and final scores."""
+    L.seed_everything(seed, verbose=False)
+    clock = Clock(args.minutes, lengths)
+    callbacks: list[L.Callback] = [clock]
+    if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
+        clock.supervised = True
+        module = _module(args, seed, init_from=str(warm), sft_steps=10**6, warmup_steps=0)
+        dm = _datamodule(args, module, stages, seed, sft_steps=10**6, eval_stages=lengths)
+    else:
+        module = _module(args, seed, init_from=str(warm))
+        settings = CurriculumSettings(
+            threshold=args.threshold, patience=args.patience, min_steps=args.min_steps, window=args.patience,
+            on_collapse="step_back", stop_when_done=True, val_threshold=args.val_threshold if len(stages) > 1 else None,
+        )  # fmt: skip
+        replay = args.replay_fraction if len(stages) > 1 else 0.0
+        dm = _datamodule(args, module, stages, seed, curriculum=settings, replay_fraction=replay, eval_stages=lengths)
+        callbacks.append(CurriculumCallback(export=False))
+    trainer = _trainer(args, 10**7, callbacks, args.eval_every)
+    trainer.validate(module, datamodule=dm, verbose=False)  # the start of the curve
+    trainer.fit(module, datamodule=dm)
+    if clock.curve[-1]["step"] != trainer.global_step:
+        trainer.validate(module, datamodule=dm, verbose=False)  # the end
+    rows, bin_ = clock.batches, args.bin
+    bins = [rows[i : i + bin_] for i in range(0, len(rows), bin_)]
+
+    def binned(key: str) -> list[float]:
+        return [round(sum(r[key] for r in b) / len(b), 3) for b in bins]
+
+    out = {
+        "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "steps": trainer.global_step,
+        "curve": clock.curve, "final": {k: v for k, v in clock.curve[-1].items() if k.endswith("w")},
+    }  # fmt: skip
+    target = args.target
+    reached = [p for p in clock.curve if p.get(f"{stages[0]}w", 0) >= target and arm in ("lift", "sft")]
+    out[f"seconds_to_{target}"] = reached[0]["s"] if reached else None
+    if rows:
+        out |= {
+            "bin_batches": bin_, "words": [max(r["words"] for r in b) for b in bins], "reward": binned("reward"),
+            "zero_std_share": binned("zero_std"), "identical_share": binned("identical"),
+            "zero_std_share_all": round(sum(r["zero_std"] for r in rows) / len(rows), 3),
+        }  # fmt: skip
+    if arm in ("curriculum", "direct"):
+        history = dm.curriculum.state.history
+        out["transitions"] = [{k: h[k] for k in ("kind", "to_words", "global_step")} for h in history]
+        out["stage_reached"] = dm.curriculum.stage_words
+        out["stopped"] = dm.curriculum.state.stopped
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arms", nargs="+", default=["lift", "sft"], choices=["lift", "sft", "curriculum", "direct"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each seeds the model and the data")
+    parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of each arm after its start")
+    parser.add_argument("--ladder", type=int, nargs="+", default=[10, 25, 50, 100], help="the curriculum's lengths")
+    parser.add_argument("--warm-start-until", type=float, default=0.45, help="held-out score that ends the warm-start")
+    parser.add_argument("--max-sft-steps", type=int, default=1500)
+    parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
+    parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument("--beta", type=float, default=0.01)
+    parser.add_argument("--temperature", type=float, default=0.5)
+    parser.add_argument("--epsilon-high", type=float, default=None)
+    parser.add_argument("--scale-rewards", default="group")
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts per GRPO step")
+    parser.add_argument("--threshold", type=float, default=0.9, help="rolling reward that passes a curriculum stage")
+    parser.add_argument("--val-threshold", type=float, default=0.9, help="held-out score that passes a stage too")
+    parser.add_argument("--patience", type=int, default=10)
+    parser.add_argument("--min-steps", type=int, default=20)
+    parser.add_argument("--replay-fraction", type=float, default=0.25)
+    parser.add_argument("--target", type=float, default=0.95, help="held-out score whose time to reach is reported")
+    parser.add_argument("--train-pairs", type=int, default=20000)
+    parser.add_argument("--val-pairs", type=int, default=64)
+    parser.add_argument("--eval-every", type=int, default=25, help="batches between held-out evaluations")
+    parser.add_argument("--bin", type=int, default=50, help="GRPO batches per reported bin")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ladder = args.ladder
+    context = {
+        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": 1,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("arms", "seeds")},
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:
+        args.cache_dir = os.path.join(folder, "cache")
+        for seed in args.seeds:
+            warm = {}  # one warm start per kind, shared by the arms that start from it
+            for arm in args.arms:
+                at_ten = arm in ("lift", "sft")
+                stages = [ladder[0]] if at_ten else (ladder if arm == "curriculum" else ladder[-1:])
+                sft_stages = None if at_ten else list(range(2, ladder[0] + 1))
+                kind = "task" if at_ten else "mix"
+                if kind not in warm:
+                    warm[kind] = warm_start(args, seed, [ladder[0]], sft_stages, Path(folder))
+                path, start = warm[kind]
+                out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
+                print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
