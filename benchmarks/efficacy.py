@@ -1,8 +1,10 @@
 """What GRPO and the curriculum do to held-out scores on the CPU tiny model. Prints one JSON line per arm.
 
-Every arm starts from a supervised warm-start that ends where a pretrained base stood before GRPO (Llama-3.2-3B:
-0.486 at 10 words): `data.curriculum.warm_start_until`, checked every `--eval-every` batches on held-out pairs.
-Budgets are wall-clock minutes on this machine, one torch thread per run.
+`lift` and `sft` start from a supervised warm-start at 10 words that ends where a pretrained base stood before GRPO
+(Llama-3.2-3B: 0.486 at 10 words): `data.curriculum.warm_start_until`, checked every `--eval-every` batches on
+held-out pairs. `curriculum` and `direct` start from a full warm-start (`--ladder-sft-steps` on the 2..10-word mix),
+the model the curriculum has to carry to longer lengths. Budgets are wall-clock minutes on this machine, one torch
+thread per run.
 
 - `lift`: GRPO alone from the warm start at 10 words, for `--minutes` (target: >= 0.95 held-out within 15).
 - `sft`: the same start and the same minutes spent on more supervised steps instead, so a reader sees what GRPO adds.
@@ -116,22 +118,24 @@ def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **ov
     return InterleaveDataModule(**(kwargs | overrides))
 
 
-def warm_start(args, seed: int, stages: list[int], sft_stages: list[int] | None, folder: Path) -> tuple[Path, dict]:
-    """Supervised steps until the held-out score at `stages[0]` reaches `--warm-start-until`; returns the weights."""
+def warm_start(
+    args, seed: int, stages: list[int], sft_stages: list[int] | None, steps: int, until: float | None, folder: Path
+) -> tuple[Path, dict]:
+    """Supervised steps (at most `steps`) until the held-out score at `stages[0]` reaches `until`; the weights."""
     L.seed_everything(seed, verbose=False)
-    module = _module(args, seed, sft_steps=args.max_sft_steps)
-    settings = CurriculumSettings(warm_start_until=args.warm_start_until)
+    module = _module(args, seed, sft_steps=steps)
+    settings = CurriculumSettings(warm_start_until=until)
     dm = _datamodule(
-        args, module, stages[:1], seed, sft_steps=args.max_sft_steps, sft_stages=sft_stages, curriculum=settings,
+        args, module, stages[:1], seed, sft_steps=steps, sft_stages=sft_stages, curriculum=settings,
         eval_stages=stages[:1],
     )  # fmt: skip
     clock = Clock(0.0, stages[:1])  # its held-out curve
     started = time.perf_counter()
     callbacks = [clock, CurriculumCallback(export=False), EndOfWarmStart()]
-    _trainer(args, args.max_sft_steps, callbacks, args.eval_every).fit(module, dm)
-    path = folder / f"warm-{seed}-{stages[0]}.ckpt"
+    _trainer(args, steps, callbacks, args.eval_every).fit(module, dm)
+    path = folder / f"warm-{seed}-{stages[0]}-{steps}.ckpt"
     torch.save({"state_dict": module.state_dict()}, path)
-    end = dm.curriculum.state.warm_end or args.max_sft_steps
+    end = dm.curriculum.state.warm_end or steps
     score = clock.curve[-1][f"{stages[0]}w"] if clock.curve else None
     return path, {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
 
@@ -193,7 +197,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of each arm after its start")
     parser.add_argument("--ladder", type=int, nargs="+", default=[10, 25, 50, 100], help="the curriculum's lengths")
     parser.add_argument("--warm-start-until", type=float, default=0.45, help="held-out score that ends the warm-start")
-    parser.add_argument("--max-sft-steps", type=int, default=1500)
+    parser.add_argument("--max-sft-steps", type=int, default=1500, help="cap of the warm-start of lift and sft")
+    parser.add_argument("--ladder-sft-steps", type=int, default=2000, help="warm-start of curriculum and direct")
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.01)
@@ -229,7 +234,10 @@ def main() -> None:
                 sft_stages = None if at_ten else list(range(2, ladder[0] + 1))
                 kind = "task" if at_ten else "mix"
                 if kind not in warm:
-                    warm[kind] = warm_start(args, seed, [ladder[0]], sft_stages, Path(folder))
+                    steps, until = (
+                        (args.max_sft_steps, args.warm_start_until) if at_ten else (args.ladder_sft_steps, None)
+                    )
+                    warm[kind] = warm_start(args, seed, [ladder[0]], sft_stages, steps, until, Path(folder))
                 path, start = warm[kind]
                 out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
                 print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)

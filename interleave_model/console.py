@@ -124,12 +124,14 @@ class ConsoleSummary(L.Callback):
 
     The summary gives, per evaluated length, the alignment score and exact match of the last evaluation (and, after
     `fit`, the change since the run's first; both are kept in the checkpoint, so a resumed run compares with the same
-    one), the stage reached, the run folder and the TensorBoard command. Rank 0 prints.
+    one), what GRPO added (the change since the last evaluation before its first step, when a warm-start came
+    first), the stage reached, the run folder and the TensorBoard command. Rank 0 prints.
     """
 
     def __init__(self) -> None:
         self.first: dict | None = None  # the run's first evaluation: {"split", "step", "lengths"}
         self.last: dict | None = None
+        self.before_grpo: dict | None = None  # the last evaluation before GRPO's first step
         self._checkpoint_step: int | None = None
         self._ended: str | None = None  # the command whose end was reached: its summary is printed at teardown
 
@@ -144,6 +146,8 @@ class ConsoleSummary(L.Callback):
             return
         if trainer.state.fn == TrainerFn.FITTING:
             first, self.first = self.first, self.first or self.last
+            if getattr(pl_module, "grpo_start", None) is None:
+                self.before_grpo = self.last
             _say(evaluation_line(self.last, first, _stage(trainer)))
         else:
             self._ended = "validate"
@@ -167,11 +171,12 @@ class ConsoleSummary(L.Callback):
 
     @override
     def state_dict(self) -> dict:
-        return {"first": self.first, "last": self.last}
+        return {"first": self.first, "last": self.last, "before_grpo": self.before_grpo}
 
     @override
     def load_state_dict(self, state_dict: dict) -> None:
         self.first, self.last = state_dict.get("first"), state_dict.get("last")
+        self.before_grpo = state_dict.get("before_grpo")
 
     def _take(self, trainer: L.Trainer, pl_module: L.LightningModule) -> bool:
         results = getattr(pl_module, "eval_results", None)
@@ -195,6 +200,9 @@ class ConsoleSummary(L.Callback):
             earlier = command == "fit" and self.first is not None and self.first["step"] < self.last["step"]
             first = self.first if earlier else None
             lines += score_table(self.last, first)
+            grpo_start = getattr(trainer.lightning_module, "grpo_start", None)
+            if command == "fit" and grpo_start and self.before_grpo and self.before_grpo["step"] < self.last["step"]:
+                lines += grpo_lines(self.last, self.before_grpo, grpo_start, trainer.global_step)
         lines += [f"run folder: {run_dir}"]
         report = _report(trainer, run_dir)
         if report is not None:
@@ -216,6 +224,16 @@ def score_table(results: dict, first: dict | None) -> list[str]:
     lines = [f"held-out {results['split']} at step {results['step']} (alignment score, exact match{since}):"]
     for row, before in _with_first(results, first):
         lines.append(f"  {row['n_words']:>4} words  {_measures(row, before)}  ({row['pairs']} pairs)")
+    return lines
+
+
+def grpo_lines(results: dict, before: dict, grpo_start: int, step: int) -> list[str]:
+    """What GRPO added: per length, the score before GRPO's first step and now, after its steps."""
+    lines = [f"GRPO added, steps {grpo_start}-{step} (held-out score at step {before['step']}, before GRPO -> now):"]
+    for row, old in _with_first(results, before):
+        if old is not None:
+            change = row["score"] - old["score"]
+            lines.append(f"  {row['n_words']:>4} words  {old['score']:.3f} -> {row['score']:.3f} ({change:+.3f})")
     return lines
 
 

@@ -104,6 +104,8 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
     # the change is measured from the run's first evaluation, at step 2, before the resume
     assert summary[1] == "held-out val at step 6 (alignment score, exact match, change since step 2):"
     assert summary[2].split()[:2] == ["4", "words"] and ("(+" in summary[2] or "(-" in summary[2])
+    # GRPO began after the 2 warm-start steps, whose last evaluation (step 2) it is measured from, resume or not
+    assert "GRPO added, steps 2-6 (held-out score at step 2, before GRPO -> now):" in summary
     assert not list(cwd.iterdir())
 
 

@@ -9,7 +9,7 @@ import datasets
 import pytest
 import transformers
 
-from interleave_model.console import configure_console, evaluation_line, score_table
+from interleave_model.console import configure_console, evaluation_line, grpo_lines, score_table
 
 NOISE = "Checkpoint directory /runs/demo/version_0/checkpoints exists and is not empty."  # said at every resume
 
@@ -66,4 +66,14 @@ def test_evaluation_line_and_table_give_the_change_since_the_first_evaluation():
     assert score_table(last, first) == [
         "held-out val at step 300 (alignment score, exact match, change since step 100):",
         "    10 words  0.750 (+0.250) exact 0.500 (+0.250)  (64 pairs)",
+    ]
+
+
+def test_what_grpo_added_is_the_change_since_the_last_evaluation_before_it():
+    before = {"split": "val", "step": 350, "lengths": [{"n_words": 10, "pairs": 64, "score": 0.5, "exact_match": 0.0}]}
+    last = {"split": "val", "step": 900, "lengths": [{"n_words": 10, "pairs": 64, "score": 0.75, "exact_match": 0.5}]}
+
+    assert grpo_lines(last, before, 351, 900) == [
+        "GRPO added, steps 351-900 (held-out score at step 350, before GRPO -> now):",
+        "    10 words  0.500 -> 0.750 (+0.250)",
     ]
