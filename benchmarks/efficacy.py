@@ -104,7 +104,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         tiny=tiny, template="compact", seed=seed, num_generations=args.num_generations,
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=20, epsilon_high=args.epsilon_high,
-        scale_rewards=args.scale_rewards,
+        scale_rewards=args.scale_rewards, num_iterations=args.num_iterations,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -141,16 +141,18 @@ def warm_start(
 
 
 def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: list[int]) -> dict:
-    """One arm from the warm weights, for `--minutes`; its curve, group statistics and final scores."""
+    """One arm from the warm weights (a checkpoint, or a model folder with `--start`) for `--minutes`; its curve,
+    group statistics and final scores."""
     L.seed_everything(seed, verbose=False)
+    start = {"model_name_or_path": str(warm)} if warm.is_dir() else {"init_from": str(warm)}
     clock = Clock(args.minutes, lengths)
     callbacks: list[L.Callback] = [clock]
     if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
         clock.supervised = True
-        module = _module(args, seed, init_from=str(warm), sft_steps=10**6, warmup_steps=0)
+        module = _module(args, seed, **start, sft_steps=10**6, warmup_steps=0)
         dm = _datamodule(args, module, stages, seed, sft_steps=10**6, eval_stages=lengths)
     else:
-        module = _module(args, seed, init_from=str(warm))
+        module = _module(args, seed, **start)
         settings = CurriculumSettings(
             threshold=args.threshold, patience=args.patience, min_steps=args.min_steps, window=args.patience,
             on_collapse="step_back", stop_when_done=True, val_threshold=args.val_threshold if len(stages) > 1 else None,
@@ -205,6 +207,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
+    parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
+    parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per GRPO step")
     parser.add_argument("--threshold", type=float, default=0.9, help="rolling reward that passes a curriculum stage")
@@ -233,6 +237,8 @@ def main() -> None:
                 stages = [ladder[0]] if at_ten else (ladder if arm == "curriculum" else ladder[-1:])
                 sft_stages = None if at_ten else list(range(2, ladder[0] + 1))
                 kind = "task" if at_ten else "mix"
+                if args.start and at_ten:
+                    warm[kind] = Path(args.start), {"from": args.start}
                 if kind not in warm:
                     steps, until = (
                         (args.max_sft_steps, args.warm_start_until) if at_ten else (args.ladder_sft_steps, None)
