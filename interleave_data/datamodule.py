@@ -48,7 +48,7 @@ class InterleaveDataModule(LightningDataModule):
         sft_steps: Number of SFT batches before GRPO starts; 0 skips the warm-start.
         sft_stages: Lengths the warm-start mixes, each example's length drawn uniformly from them; None means the
             current stage only. A mix of lengths teaches an algorithm that carries a little past the longest one,
-            which is what lets GRPO climb a curriculum from there (see ``benchmarks/curriculum_vs_direct.py``).
+            which is what lets GRPO climb a curriculum from there (see ``benchmarks/efficacy.py``).
         eval_batch_size: Prompts per validation / test / predict batch.
         replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
         eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
