@@ -263,9 +263,10 @@ class Curriculum:
         if until is None or next_batch is None or not self.warm_start(next_batch) or score < until:
             return ""
         state.warm_end = next_batch
-        why = f"held-out score {score:.3f} >= warm_start_until {until}: GRPO from batch {next_batch}"
+        why = f"held-out score {score:.3f} >= warm_start_until {until}"
         n = self.stage_words
-        return "curriculum " + self._note(next_batch - 1, global_step, "warm_start_end", n, n, why)
+        self._note(next_batch - 1, global_step, "warm_start_end", n, n, why)
+        return f"curriculum: the warm-start ends at step {global_step} ({why}); GRPO from batch {next_batch}"
 
     def observe(self, counts: StepCounts) -> Decision:
         """Count one GRPO batch that had rows at the current stage and decide what follows."""

@@ -65,8 +65,7 @@ def test_warm_start_ends_at_the_first_validation_that_reaches_its_score():
     # the batch after the validation is fetched already: GRPO from the one after it
     assert curriculum.warm_start(51) and not curriculum.warm_start(52) and not curriculum.warm_start(99)
     assert message == (
-        "curriculum warm_start_end: 10 -> 10 words at step 50 "
-        "(held-out score 0.550 >= warm_start_until 0.5: GRPO from batch 52)"
+        "curriculum: the warm-start ends at step 50 (held-out score 0.550 >= warm_start_until 0.5); GRPO from batch 52"
     )
     assert curriculum.state.history[-1] | {"why": ""} == {
         "kind": "warm_start_end", "from_words": 10, "to_words": 10, "batch": 51, "global_step": 50, "why": "",
