@@ -266,12 +266,16 @@ def completion_logprobs(
     completion_ids: Tensor,
     temperature: float,
     with_entropy: bool = False,
+    group_size: int = 1,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs of the completion (the last C tokens of each row) and, when asked, the entropies: [N, C] each.
 
     Through the fused LM head (`head_token_logprobs`) when the model has a plain one: only the completion
     tokens go through the head, and no [N, C, V] logits (nor their gradient) are ever held; positions past the
     completion mask get 0. Otherwise from the model's logits.
+
+    `group_size` G > 1 says that rows come in groups of G with one prompt (a GRPO rollout): when they really do, each
+    prompt goes through the decoder once and its keys and values serve the G completions (`completion_hidden`).
     """
     width = completion_ids.shape[1]
     head = fused_head(model)
@@ -280,19 +284,66 @@ def completion_logprobs(
         entropy = token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
         return token_logprobs(logits, completion_ids, temperature), entropy
     decoder, weight = head
-    positions = position_ids(attention_mask)  # [N, L]
-    hidden = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
-    ).last_hidden_state  # [N, L, H]
+    hidden = completion_hidden(decoder, input_ids, attention_mask, width, group_size)  # [N, C, H]
     keep = attention_mask[:, -width:].bool()  # [N, C], the completion mask
-    scored = hidden[:, -width - 1 : -1][keep]  # [K, H]: position t predicts token t+1
     logprobs, entropy = head_token_logprobs(
-        scored, weight, completion_ids[keep], temperature, with_entropy=with_entropy
+        hidden[keep], weight, completion_ids[keep], temperature, with_entropy=with_entropy
     )  # [K] each
     logprobs = torch.zeros_like(keep, dtype=logprobs.dtype).masked_scatter(keep, logprobs)  # [N, C]
     if entropy is not None:
         entropy = torch.zeros_like(keep, dtype=entropy.dtype).masked_scatter(keep, entropy)  # [N, C]
     return logprobs, entropy
+
+
+def completion_hidden(
+    decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int, group_size: int = 1
+) -> Tensor:
+    """The decoder's last hidden states at the positions that predict the last `width` tokens: [N, width, H].
+
+    With `group_size` G > 1 and rows whose prompts (all but the last `width` tokens) agree within each group of G,
+    the prompts run once, P = N / G rows, and their cached keys and values, repeated G times, are attended by the
+    completions. The gradient reaches the prompt's positions through the repeated cache (summed over the G copies),
+    so log-probs and gradients equal those of the full forward; a rollout's prompt tokens are most of a short
+    stage's tokens, so the update does up to G times less prompt work.
+    """
+    positions = position_ids(attention_mask)  # [N, L]
+    # under gradient checkpointing HF trains without a cache, so the prompt's keys and values cannot be handed on
+    checkpointing = decoder.training and getattr(decoder, "gradient_checkpointing", False)
+    if checkpointing or not shares_prompts(input_ids, attention_mask, width, group_size):
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).last_hidden_state  # [N, L, H]
+        return hidden[:, -width - 1 : -1]  # position t predicts token t+1
+    G, prompt = group_size, input_ids.shape[1] - width
+    firsts = slice(None, None, G)  # one row per group
+    prefix = decoder(
+        input_ids=input_ids[firsts, :prompt],
+        attention_mask=attention_mask[firsts, :prompt],
+        position_ids=positions[firsts, :prompt],
+        use_cache=True,
+    )  # last_hidden_state [P, Lp, H]
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(G)  # [P, ...] -> [N, ...], differentiable
+    rest = decoder(
+        input_ids=input_ids[:, prompt:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, prompt:-1],
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # [N, C-1, H]
+    last = prefix.last_hidden_state[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, H]: predicts the first token
+    return torch.cat([last, rest], dim=1)  # [N, C, H]
+
+
+def shares_prompts(input_ids: Tensor, attention_mask: Tensor, width: int, group_size: int) -> bool:
+    """True when the N rows form groups of `group_size` > 1 whose prompts (all but the last `width` tokens, and
+    their mask) are equal, with at least one completion token to run after them."""
+    n, length = input_ids.shape
+    if group_size < 2 or n % group_size or width < 2 or length <= width:
+        return False
+    prompt = input_ids[:, :-width].reshape(n // group_size, group_size, -1)  # [P, G, Lp]
+    mask = attention_mask[:, :-width].reshape(n // group_size, group_size, -1)  # [P, G, Lp]
+    return bool((prompt == prompt[:, :1]).all() and (mask == mask[:, :1]).all())
 
 
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
@@ -340,10 +391,13 @@ def chunked_completion_logprobs(
     completion_ids: Tensor,
     temperature: float,
     micro_batch_size: int | None,
+    group_size: int = 1,
 ) -> Tensor:
     """`completion_logprobs` (without entropies) taken `micro_batch_size` rows at a time: [N, C]."""
     chunks = [
-        completion_logprobs(model, input_ids[rows], attention_mask[rows], completion_ids[rows], temperature)[0]
+        completion_logprobs(
+            model, input_ids[rows], attention_mask[rows], completion_ids[rows], temperature, group_size=group_size
+        )[0]
         for rows in row_chunks(input_ids.shape[0], micro_batch_size)
     ]
     return torch.cat(chunks)  # [N, C]

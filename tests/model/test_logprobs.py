@@ -36,3 +36,65 @@ def test_fused_head_gives_the_logits_path_values(family, lora):
     expected = token_logprobs(logits, completion, 0.7)  # [N, C]
     torch.testing.assert_close(logprobs[keep], expected[keep], rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(entropy[keep], token_entropy(logits, 0.7)[keep], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_a_groups_prompt_runs_once_with_the_full_forwards_values_and_gradients(family, lora, monkeypatch):
+    name, folder = family
+    if not FUSED[name]:
+        pytest.skip("the shared prompt is a path of the fused head only")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    if lora:
+        model = apply_lora(model, LoraSettings(r=4, dropout=0.0))
+        for p in model.parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.1)
+    G, P, Lp, C = 3, 2, 6, 5
+    prompts = torch.randint(0, 1000, (P, Lp)).repeat_interleave(G, dim=0)  # [N, Lp], G equal rows per group
+    prompt_mask = torch.ones_like(prompts)
+    prompt_mask[G:, :2] = 0  # the second group's prompt is left-padded
+    completion = torch.randint(0, 1000, (P * G, C))  # [N, C]
+    completion_mask = torch.ones_like(completion)
+    completion_mask[1, -3:] = 0  # completions that stopped early
+    completion_mask[4, -1:] = 0
+    input_ids, attention_mask = torch.cat([prompts, completion], 1), torch.cat([prompt_mask, completion_mask], 1)
+    keep = completion_mask.bool()
+    weights = torch.randn(P * G, C)  # [N, C], a loss that reaches every completion token
+
+    def run(group_size: int):
+        model.zero_grad()
+        logprobs, entropy = completion_logprobs(
+            model, input_ids, attention_mask, completion, 0.7, with_entropy=True, group_size=group_size
+        )  # [N, C] each
+        (logprobs * weights * keep).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+        return logprobs.detach(), entropy, grads
+
+    calls = []
+    decoder = fused_head(model)[0]
+    forward = decoder.forward
+    monkeypatch.setattr(decoder, "forward", lambda *a, **k: calls.append(k["input_ids"].shape) or forward(*a, **k))
+    full, full_entropy, full_grads = run(1)
+    shared, shared_entropy, shared_grads = run(G)
+
+    assert calls == [(P * G, Lp + C), (P, Lp), (P * G, C - 1)]  # the prompts ran once per group
+    torch.testing.assert_close(shared[keep], full[keep], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(shared_entropy[keep], full_entropy[keep], rtol=1e-4, atol=1e-4)
+    assert full_grads.keys() == shared_grads.keys() and full_grads
+    for key, grad in full_grads.items():
+        # float32 sums in another order: equal up to rounding, measured against the gradient's size
+        assert (shared_grads[key] - grad).norm() <= 1e-4 * grad.norm(), key
+
+
+def test_rows_whose_prompts_differ_within_a_group_take_the_full_forward(family):
+    name, folder = family
+    if not FUSED[name]:
+        pytest.skip("the shared prompt is a path of the fused head only")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    input_ids = torch.randint(0, 1000, (4, 9))  # [N, Lp+C]: four different prompts, read as two groups of 2
+    attention_mask = torch.ones_like(input_ids)
+    completion = input_ids[:, -4:]
+    full, _ = completion_logprobs(model, input_ids, attention_mask, completion, 1.0)
+    grouped, _ = completion_logprobs(model, input_ids, attention_mask, completion, 1.0, group_size=2)
+    torch.testing.assert_close(grouped, full)

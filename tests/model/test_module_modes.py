@@ -107,11 +107,22 @@ def test_first_ratio_is_exactly_one_without_dropout(family_folders, make_datamod
 @pytest.mark.parametrize("lora", [None, LoraSettings(r=4)], ids=["full", "lora"])
 @pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "plain"])
 def test_gradient_checkpointing_recomputes_each_layer(family_folders, make_datamodule, lora, checkpointing):
-    """A layer runs twice per update with checkpointing (forward, then again in the backward), once without."""
+    """A layer runs twice on the same input per update with checkpointing (forward, then again in the backward), once
+    without (where a group's prompt and its completions are two forwards of different shapes)."""
     module = _module(family_folders["llama3"], lora=lora, gradient_checkpointing=checkpointing)
     layer = next(m for m in module.policy.modules() if type(m).__name__ == "LlamaDecoderLayer")
-    calls = _count_forwards(layer)
+    shapes, forward = [], layer.forward
+
+    def recording(hidden_states, *args, **kwargs):
+        if torch.is_grad_enabled():  # the rollout's forwards run without grad
+            shapes.append(tuple(hidden_states.shape))
+        return forward(hidden_states, *args, **kwargs)
+
+    layer.forward = recording
 
     _fit_one_grpo_step(module, make_datamodule)
 
-    assert sum(calls) == (2 if checkpointing else 1)  # the rollout's forwards run without grad
+    if checkpointing:
+        assert len(shapes) == 2 and shapes[0] == shapes[1], shapes
+    else:
+        assert len(shapes) == 2 and shapes[0] != shapes[1], shapes  # [P, Lp, H], then [P*G, C-1, H]

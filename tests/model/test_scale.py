@@ -192,7 +192,7 @@ def test_a_training_step_runs_and_moves_weights(make_module, make_datamodule, pr
     mlp = module.policy.get_decoder().layers[0].mlp  # inside the checkpointed forward, so its hook sees the recompute
     calls, dtypes = [], []
     # a pre-hook: the recompute stops as soon as it has rebuilt what backward needs, before any post-hook could fire
-    mlp.register_forward_pre_hook(lambda mod, args: calls.append(torch.is_grad_enabled()))
+    mlp.register_forward_pre_hook(lambda mod, args: calls.append((torch.is_grad_enabled(), tuple(args[0].shape))))
     mlp.down_proj.register_forward_hook(lambda mod, args, out: dtypes.append(out.dtype))
     before = {k: v.detach().clone() for k, v in module.policy.named_parameters()}
     trainer = L.Trainer(
@@ -203,9 +203,10 @@ def test_a_training_step_runs_and_moves_weights(make_module, make_datamodule, pr
     moved = [k for k, v in module.policy.named_parameters() if not torch.equal(v, before[k])]
     assert moved and all(torch.isfinite(p).all() for p in module.policy.parameters())
     assert module.policy.get_decoder().layers[0].gradient_checkpointing == checkpointing
-    # with checkpointing the backward runs the layer again, with grad, to rebuild what its forward did not keep
-    forwards_with_grad = sum(calls)
-    assert forwards_with_grad == (2 if checkpointing else 1)
+    # with checkpointing the backward runs the layer again on the same input, with grad, to rebuild what its forward
+    # did not keep; without, a group's prompt and its completions are two forwards of their own shapes
+    with_grad = [shape for grad, shape in calls if grad]
+    assert len(with_grad) == 2 and (with_grad[0] == with_grad[1]) == checkpointing, with_grad
     if precision == "bf16-mixed":
         assert torch.bfloat16 in dtypes  # the projections ran under bf16 autocast
     assert all(p.dtype == torch.float32 for p in module.policy.parameters())  # mixed: fp32 master weights
