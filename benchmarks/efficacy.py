@@ -40,7 +40,7 @@ from interleave_data.datamodule import InterleaveDataModule, batches_run
 from interleave_model.callbacks import CurriculumCallback
 from interleave_model.grpo import zero_std_groups
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import TinyModelConfig
+from interleave_model.policy import LoraSettings, TinyModelConfig
 from interleave_model.settings import grouped_hparams
 
 
@@ -53,13 +53,25 @@ class EndOfWarmStart(L.Callback):
 
 
 class Clock(L.Callback):
-    """Stops GRPO after `minutes` of it, records the held-out curve and, per GRPO batch, its group statistics."""
+    """Stops GRPO after `minutes` of it, records the held-out curve and, per GRPO batch, its group statistics.
+
+    The budget counts training time: held-out evaluations are left out of it (they cost a real model as much as
+    several steps, and both arms are evaluated alike), and reported apart as `eval_s`.
+    """
 
     def __init__(self, minutes: float, lengths: list[int]):
         self.budget, self.lengths = minutes * 60, lengths
         self.started: float | None = None  # when the first GRPO (or, for a supervised arm, the first) batch began
+        self.evaluating = 0.0  # seconds of held-out evaluation since `started`
+        self._eval_began: float | None = None
         self.curve: list[dict] = []
         self.batches: list[dict] = []
+
+    def training_seconds(self) -> float:
+        return 0.0 if self.started is None else time.perf_counter() - self.started - self.evaluating
+
+    def on_validation_start(self, trainer, pl_module):
+        self._eval_began = time.perf_counter()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.started is None and (batch["phase"] == "grpo" or self.supervised):
@@ -79,14 +91,16 @@ class Clock(L.Callback):
                 "zero_std": zero_std_groups(rewards.flatten(), G).float().mean().item(),
                 "identical": sum(len(set(g)) == 1 for g in groups) / len(groups),
             })  # fmt: skip
-        if self.started is not None and time.perf_counter() - self.started >= self.budget:
+        if self.started is not None and self.training_seconds() >= self.budget:
             trainer.should_stop = True
 
     def on_validation_end(self, trainer, pl_module):
+        if self.started is not None and self._eval_began is not None:
+            self.evaluating += time.perf_counter() - self._eval_began
         if trainer.sanity_checking:
             return
         scores = {n: round(float(trainer.callback_metrics[f"val/alignment_{n}w"]), 3) for n in self.lengths}
-        seconds = 0.0 if self.started is None else round(time.perf_counter() - self.started, 1)
+        seconds = round(self.training_seconds(), 1)
         self.curve.append({"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}})
 
 
@@ -100,8 +114,10 @@ def _trainer(args, max_steps: int, callbacks, validate_every: int | None) -> L.T
 
 def _module(args, seed: int, **overrides) -> InterleaveGRPO:
     tiny = TinyModelConfig(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
+    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0) if args.lora_r else None
     kwargs = dict(
-        tiny=tiny, template="compact", seed=seed, num_generations=args.num_generations,
+        model_name_or_path=args.model, dtype=None if args.model == "tiny" else "float32", lora=lora,
+        tiny=tiny, template=args.template, seed=seed, num_generations=args.num_generations,
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=20, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations,
@@ -111,8 +127,9 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
 
 def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **overrides) -> InterleaveDataModule:
     kwargs = dict(
-        stages=stages, template="compact", train_pairs=args.train_pairs, val_pairs=args.val_pairs, test_pairs=0,
-        batch_size=args.batch_size, sft_batch_size=32, eval_batch_size=64, seed=seed, cache_dir=args.cache_dir,
+        stages=stages, template=args.template, train_pairs=args.train_pairs, val_pairs=args.val_pairs, test_pairs=0,
+        batch_size=args.batch_size, sft_batch_size=args.sft_batch_size, eval_batch_size=args.eval_batch_size, seed=seed,
+        cache_dir=args.cache_dir,
         tokenizer=module.tokenizer,
     )  # fmt: skip
     return InterleaveDataModule(**(kwargs | overrides))
@@ -121,7 +138,12 @@ def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **ov
 def warm_start(
     args, seed: int, stages: list[int], sft_stages: list[int] | None, steps: int, until: float | None, folder: Path
 ) -> tuple[Path, dict]:
-    """Supervised steps (at most `steps`) until the held-out score at `stages[0]` reaches `until`; the weights."""
+    """Supervised steps (at most `steps`) until the held-out score at `stages[0]` reaches `until`; the weights.
+
+    Kept in `folder` by model, seed, length, cap and threshold: a second process (`--warm-dir`) reuses it."""
+    path = folder / f"warm-{Path(args.model).name}-{seed}-{stages[0]}-{steps}-{until}.ckpt"
+    if path.exists():
+        return path, json.loads(path.with_suffix(".json").read_text())
     L.seed_everything(seed, verbose=False)
     module = _module(args, seed, sft_steps=steps)
     settings = CurriculumSettings(warm_start_until=until)
@@ -133,11 +155,13 @@ def warm_start(
     started = time.perf_counter()
     callbacks = [clock, CurriculumCallback(export=False), EndOfWarmStart()]
     _trainer(args, steps, callbacks, args.eval_every).fit(module, dm)
-    path = folder / f"warm-{seed}-{stages[0]}-{steps}.ckpt"
-    torch.save({"state_dict": module.state_dict()}, path)
     end = dm.curriculum.state.warm_end or steps
     score = clock.curve[-1][f"{stages[0]}w"] if clock.curve else None
-    return path, {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
+    start = {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
+    torch.save({"state_dict": module.state_dict()}, path.with_suffix(".tmp"))
+    path.with_suffix(".json").write_text(json.dumps(start))
+    path.with_suffix(".tmp").rename(path)  # last: a kill leaves no warm start that looks whole
+    return path, start
 
 
 def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: list[int]) -> dict:
@@ -173,6 +197,7 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
 
     out = {
         "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "steps": trainer.global_step,
+        "eval_s": round(clock.evaluating, 1),
         "curve": clock.curve, "final": {k: v for k, v in clock.curve[-1].items() if k.endswith("w")},
     }  # fmt: skip
     target = args.target
@@ -194,6 +219,13 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help='"tiny", a shipped model\'s name or a model folder')
+    parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (alpha 2r, all linear layers); 0: all weights")
+    parser.add_argument("--template", default="compact", help="prompt template")
+    parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
+    parser.add_argument("--eval-batch-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process")
+    parser.add_argument("--warm-dir", default=None, help="keep warm starts here and reuse them (default: a temp dir)")
     parser.add_argument("--arms", nargs="+", default=["lift", "sft"], choices=["lift", "sft", "curriculum", "direct"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each seeds the model and the data")
     parser.add_argument("--minutes", type=float, default=15.0, help="wall-clock budget of each arm after its start")
@@ -222,10 +254,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="batches between held-out evaluations")
     parser.add_argument("--bin", type=int, default=50, help="GRPO batches per reported bin")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     ladder = args.ladder
     context = {
-        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": 1,
+        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": args.threads,
         "settings": {k: v for k, v in vars(args).items() if k not in ("arms", "seeds")},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
@@ -243,7 +275,9 @@ def main() -> None:
                     steps, until = (
                         (args.max_sft_steps, args.warm_start_until) if at_ten else (args.ladder_sft_steps, None)
                     )
-                    warm[kind] = warm_start(args, seed, [ladder[0]], sft_stages, steps, until, Path(folder))
+                    keep = Path(args.warm_dir or folder)
+                    keep.mkdir(parents=True, exist_ok=True)
+                    warm[kind] = warm_start(args, seed, [ladder[0]], sft_stages, steps, until, keep)
                 path, start = warm[kind]
                 out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
                 print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)

@@ -82,7 +82,7 @@ def _write(module, out: Path, final: Path, merge_lora: bool, source: dict | None
         copy.deepcopy(policy).merge_and_unload().save_pretrained(out)
     elif is_peft(policy):
         policy.save_pretrained(out)
-        base = module.hparams.model_name_or_path
+        base = module.model_path  # a shipped model's name resolved to its cached folder
         if base == TINY:  # an in-memory base: save it and point the adapter at it
             copy.deepcopy(policy).unload().save_pretrained(out / BASE_MODEL_DIR)
             module.tokenizer.save_pretrained(out / BASE_MODEL_DIR)

@@ -57,6 +57,7 @@ from interleave_model.settings import (
     checkpoint_groups,
     typed,
 )
+from interleave_model.shipped import resolve_model
 from interleave_model.step_guard import StepGuard
 from interleave_model.vllm_engine import VllmSettings
 
@@ -72,7 +73,9 @@ class InterleaveGRPO(L.LightningModule):
     """Policy, frozen reference and GRPO loss for word interleaving.
 
     Args:
-        model_name_or_path: A local HF model folder, a hub name (when online), or "tiny" for the embedded tiny Llama.
+        model_name_or_path: A local HF model folder, a shipped model's name ("smollm2-135m-instruct": fetched and
+            built into a cached folder on first use, `shipped.py`), a hub name (when online), or "tiny" for the
+            embedded tiny Llama.
         tiny: Shape of the embedded tiny model (used only when model_name_or_path is "tiny").
         corpus: Corpus sources whose words form the tiny tokenizer's vocabulary (linked from `data.corpus`).
         template: Prompt template whose words join the tiny vocabulary (linked from `data.template`).
@@ -138,8 +141,11 @@ class InterleaveGRPO(L.LightningModule):
         # load_from_checkpoint passes these back as the dicts hparams hold
         tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
+        # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
+        # checkpoint names the model, not this machine's cache
+        self.model_path = resolve_model(model_name_or_path)
         self.policy, self.tokenizer, self.stop_ids = build_policy(
-            model_name_or_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
+            self.model_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
         )
         if init_from is not None:
             load_initial_weights(self.policy, init_from)
@@ -153,7 +159,7 @@ class InterleaveGRPO(L.LightningModule):
         self.grpo_start: int | None = None
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
-            self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, model_name_or_path, vllm, seed
+            self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, self.model_path, vllm, seed
         )
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
@@ -311,7 +317,13 @@ class InterleaveGRPO(L.LightningModule):
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
             logprobs, entropy = completion_logprobs(
-                self.policy, ids, attention, trajectory.completion_ids[rows], temperature, with_entropy=True
+                self.policy,
+                ids,
+                attention,
+                trajectory.completion_ids[rows],
+                temperature,
+                with_entropy=True,
+                group_size=self.sampling.num_generations,
             )  # [n, C] each
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
@@ -382,8 +394,12 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        temperature, size = self.sampling.temperature, self.optimization.micro_batch_size
-        return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size)
+        temperature, size, G = (
+            self.sampling.temperature,
+            self.optimization.micro_batch_size,
+            self.sampling.num_generations,
+        )
+        return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size, G)
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:
         """Log-probs under the reference; without LoRA its frozen copy is taken now, as GRPO starts (after SFT)."""
