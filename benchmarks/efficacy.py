@@ -114,13 +114,14 @@ def _trainer(args, max_steps: int, callbacks, validate_every: int | None) -> L.T
 
 def _module(args, seed: int, **overrides) -> InterleaveGRPO:
     tiny = TinyModelConfig(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
-    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0) if args.lora_r else None
+    lora = LoraSettings(r=args.lora_r, alpha=2 * args.lora_r, dropout=0.0, top_layers=args.lora_top_layers)
+    lora = lora if args.lora_r else None
     kwargs = dict(
         model_name_or_path=args.model, dtype=None if args.model == "tiny" else "float32", lora=lora,
         tiny=tiny, template=args.template, seed=seed, num_generations=args.num_generations,
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
-        beta=args.beta, lr_schedule="constant", warmup_steps=20, epsilon_high=args.epsilon_high,
-        scale_rewards=args.scale_rewards, num_iterations=args.num_iterations,
+        beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
+        scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -221,6 +222,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help='"tiny", a shipped model\'s name or a model folder')
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (alpha 2r, all linear layers); 0: all weights")
+    parser.add_argument("--lora-top-layers", type=int, default=None, help="adapt only the last N layers; default all")
+    parser.add_argument("--loss-type", default="grpo", help='"grpo", "dr_grpo" or "dapo"')
     parser.add_argument("--template", default="compact", help="prompt template")
     parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
@@ -236,6 +239,7 @@ def main() -> None:
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.01)
+    parser.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warm-up of each phase")
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")

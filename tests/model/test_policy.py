@@ -96,3 +96,22 @@ def test_model_folder_without_tokenizer_is_one_clear_line(family_folders, tmp_pa
     with pytest.raises(PolicyError, match="no tokenizer in the model folder") as err:
         load_pretrained(str(folder))
     assert str(folder) in str(err.value) and "\n" not in str(err.value)
+
+
+def test_lora_on_the_top_layers_adapts_only_them_and_the_backward_stops_below(family_folders):
+    from transformers import AutoModelForCausalLM
+
+    from interleave_model.policy import LoraSettings, PolicyError, apply_lora
+
+    base = AutoModelForCausalLM.from_pretrained(family_folders["llama3"])
+    total = base.config.num_hidden_layers
+    model = apply_lora(base, LoraSettings(r=2, top_layers=1))
+    adapted = {int(n.split(".layers.")[1].split(".")[0]) for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {total - 1}
+    reached = []  # the layers whose input the backward reaches
+    for layer in model.get_base_model().model.layers:
+        layer.register_full_backward_hook(lambda module, g_in, g_out: reached.append(module))
+    model(input_ids=torch.randint(0, 100, (2, 5))).logits.sum().backward()
+    assert reached == [model.get_base_model().model.layers[-1]]
+    with pytest.raises(PolicyError, match="top_layers: 99 is not between 1 and the 2 layers"):
+        apply_lora(AutoModelForCausalLM.from_pretrained(family_folders["llama3"]), LoraSettings(top_layers=99))
