@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 pytest.importorskip("vllm")
 
 from cli import main, run  # noqa: E402
+from interleave_model import machine  # noqa: E402
 from interleave_model.policy import load_pretrained  # noqa: E402
 from tests.conftest import TINY_CONFIG  # noqa: E402
 
@@ -89,17 +90,26 @@ def test_resume_on_the_engine(fitted, folder):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU cannot do: sleep mode, CUDA graphs")
-def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_folders, tmp_path, capsys):
+def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_folders, tmp_path, capsys, monkeypatch):
     """configs/llama-3.2-3b.yaml on a CPU: sleep mode off, no CUDA graphs, the engine's length cut to the model's
-    (the Llama fixture has 2,048 positions, the config asks for 4,096), one warning line each; then the report."""
+    (the Llama fixture has 2,048 positions, the config asks for 4,096), and bf16-mixed precision on a CPU without bf16
+    instructions (made so here: the test must not depend on the CPU it runs on), one warning line each; then the
+    report."""
     config = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
     args = ["check", "--config", str(config), f"--model.model_name_or_path={family_folders['llama3']}",
             "--model.vllm.kv_cache_memory_bytes=33554432", "--data.eval_stages=[10]", "--data.train_pairs=4",
             "--data.val_pairs=2", f"--data.cache_dir={tmp_path}"]  # fmt: skip
 
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
     assert run(args) == 0
 
     captured = capsys.readouterr()
     warnings = [line.split(":")[1].strip() for line in captured.err.splitlines() if line.startswith("warning:")]
-    assert warnings == ["model.vllm.enable_sleep_mode", "model.vllm.enforce_eager", "model.vllm.max_model_len"]
+    expected = [
+        "trainer.precision",
+        "model.vllm.enable_sleep_mode",
+        "model.vllm.enforce_eager",
+        "model.vllm.max_model_len",
+    ]
+    assert sorted(warnings) == sorted(expected)
     assert "round trip of the target words: ok" in captured.out and "greedy answer:" in captured.out
