@@ -19,7 +19,7 @@ share of zero-variance groups (all G rewards equal: no gradient) and of groups w
     python benchmarks/efficacy.py --arms lift sft --seeds 0 1 2 --minutes 15
     python benchmarks/efficacy.py --arms curriculum direct --minutes 90
 
-Measured on the 2-core machine: README.md, "What GRPO adds, measured".
+Measured on the 2-core machine: docs/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ its tokenizer (a `from_pretrained` folder that `benchmarks/efficacy.py --start` 
 Architectures (all transformers families that vLLM serves): `rope` is the project's tiny Llama; `nope` is SmolLM3
 with no RoPE in any layer; `local-rope` is Cohere2 with RoPE on sliding-window layers (window 8) and none on the full
 ones, alternating. Every model has the tiny model's frozen random embeddings (std 0.1), 4 layers, 128 wide.
-Measured: README.md, "What GRPO adds, measured".
+Measured: docs/RESULTS.md.
 """
 
 from __future__ import annotations
