@@ -56,11 +56,13 @@ class Clock(L.Callback):
     """Stops GRPO after `minutes` of it, records the held-out curve and, per GRPO batch, its group statistics.
 
     The budget counts training time: held-out evaluations are left out of it (they cost a real model as much as
-    several steps, and both arms are evaluated alike), and reported apart as `eval_s`.
+    several steps, and both arms are evaluated alike), and reported apart as `eval_s`. `cpu` counts this process's
+    CPU seconds instead of wall seconds: with one torch thread a run's own work, whatever else shares the machine.
     """
 
-    def __init__(self, minutes: float, lengths: list[int]):
+    def __init__(self, minutes: float, lengths: list[int], cpu: bool = False):
         self.budget, self.lengths = minutes * 60, lengths
+        self.now = time.process_time if cpu else time.perf_counter
         self.started: float | None = None  # when the first GRPO (or, for a supervised arm, the first) batch began
         self.evaluating = 0.0  # seconds of held-out evaluation since `started`
         self._eval_began: float | None = None
@@ -68,14 +70,14 @@ class Clock(L.Callback):
         self.batches: list[dict] = []
 
     def training_seconds(self) -> float:
-        return 0.0 if self.started is None else time.perf_counter() - self.started - self.evaluating
+        return 0.0 if self.started is None else self.now() - self.started - self.evaluating
 
     def on_validation_start(self, trainer, pl_module):
-        self._eval_began = time.perf_counter()
+        self._eval_began = self.now()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.started is None and (batch["phase"] == "grpo" or self.supervised):
-            self.started = time.perf_counter()
+            self.started = self.now()
 
     supervised = False
 
@@ -96,7 +98,7 @@ class Clock(L.Callback):
 
     def on_validation_end(self, trainer, pl_module):
         if self.started is not None and self._eval_began is not None:
-            self.evaluating += time.perf_counter() - self._eval_began
+            self.evaluating += self.now() - self._eval_began
         if trainer.sanity_checking:
             return
         scores = {n: round(float(trainer.callback_metrics[f"val/alignment_{n}w"]), 3) for n in self.lengths}
@@ -170,7 +172,7 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
     group statistics and final scores."""
     L.seed_everything(seed, verbose=False)
     start = {"model_name_or_path": str(warm)} if warm.is_dir() else {"init_from": str(warm)}
-    clock = Clock(args.minutes, lengths)
+    clock = Clock(args.minutes, lengths, cpu=args.clock == "cpu")
     callbacks: list[L.Callback] = [clock]
     if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
         clock.supervised = True
@@ -197,7 +199,8 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
         return [round(sum(r[key] for r in b) / len(b), 3) for b in bins]
 
     out = {
-        "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "steps": trainer.global_step,
+        "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "clock": args.clock,
+        "steps": trainer.global_step,
         "eval_s": round(clock.evaluating, 1),
         "curve": clock.curve, "final": {k: v for k, v in clock.curve[-1].items() if k.endswith("w")},
     }  # fmt: skip
@@ -228,6 +231,12 @@ def main() -> None:
     parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="budget in wall seconds, or in this process's CPU seconds (runs sharing a machine)",
+    )
     parser.add_argument("--warm-dir", default=None, help="keep warm starts here and reuse them (default: a temp dir)")
     parser.add_argument("--arms", nargs="+", default=["lift", "sft"], choices=["lift", "sft", "curriculum", "direct"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="each seeds the model and the data")
