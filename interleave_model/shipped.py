@@ -144,22 +144,30 @@ def _dequantize(gguf: Path, out: Path, name: str, spec: ShippedModel) -> None:
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     try:
         import gguf as _  # noqa: F401  (transformers reads GGUF files with it)
     except ImportError as err:
         raise PolicyError(f"{name} needs the gguf package: pip install gguf") from err
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The loaded model still carries the GGUF quantizer, and save_pretrained refuses it; its weights are plain float32
-    # now, so they go into a model built from the same config without the quantization note.
-    config = loaded.config
-    del config.quantization_config
-    model = type(loaded)(config)
-    model.load_state_dict(loaded.state_dict())
-    model.generation_config = loaded.generation_config
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    quiet, bars = not os.environ.get("LOGLEVEL"), hf_logging.is_progress_bar_enabled()
+    if quiet:  # the build's own two lines say what happens; LOGLEVEL brings the library's bars back
+        hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The loaded model still carries the GGUF quantizer, which save_pretrained refuses; its weights are plain
+        # float32 now, so they go into a model built from the same config without the quantization note.
+        config = loaded.config
+        del config.quantization_config
+        model = type(loaded)(config)
+        model.load_state_dict(loaded.state_dict())
+        model.generation_config = loaded.generation_config
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+    finally:
+        if quiet and bars:
+            hf_logging.enable_progress_bar()
     about = {"name": name, "requirement": spec.requirement, "member": spec.member, "about": spec.about}
     (out / "shipped.json").write_text(json.dumps(about, indent=2) + "\n")
 
