@@ -124,6 +124,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
+        micro_batch_size=args.micro_batch_size,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -227,6 +228,7 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank (alpha 2r, all linear layers); 0: all weights")
     parser.add_argument("--lora-top-layers", type=int, default=None, help="adapt only the last N layers; default all")
     parser.add_argument("--loss-type", default="grpo", help='"grpo", "dr_grpo" or "dapo"')
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
     parser.add_argument("--template", default="compact", help="prompt template")
     parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
