@@ -37,7 +37,7 @@ def main() -> None:
         left.plot(minutes, scores, color=COLORS[run["arm"]], marker=".", alpha=0.8,
                   label=f"{LABELS[run['arm']]}, seed {run['seed']}")  # fmt: skip
     left.axhline(0.9, color="gray", linestyle=":", linewidth=1)
-    left.set(xlabel="minutes of training after the warm-start (2-core CPU)", ylabel="held-out score, 10 words",
+    left.set(xlabel="CPU minutes of training after the warm-start (one thread)", ylabel="held-out score, 10 words",
              title="SmolLM2-135M-Instruct + LoRA: GRPO against supervised steps", ylim=(0, 1))  # fmt: skip
     left.legend(fontsize=8)
 

@@ -113,5 +113,5 @@ def test_lora_on_the_top_layers_adapts_only_them_and_the_backward_stops_below(fa
         layer.register_full_backward_hook(lambda module, g_in, g_out: reached.append(module))
     model(input_ids=torch.randint(0, 100, (2, 5))).logits.sum().backward()
     assert reached == [model.get_base_model().model.layers[-1]]
-    with pytest.raises(PolicyError, match="top_layers: 99 is not between 1 and the 2 layers"):
+    with pytest.raises(PolicyError, match="top_layers: 99 is not between 1 and the model's 2 layers"):
         apply_lora(AutoModelForCausalLM.from_pretrained(family_folders["llama3"]), LoraSettings(top_layers=99))
