@@ -35,6 +35,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule, batches_run
 from interleave_model.callbacks import CurriculumCallback
@@ -162,9 +163,9 @@ def warm_start(
     end = dm.curriculum.state.warm_end or steps
     score = clock.curve[-1][f"{stages[0]}w"] if clock.curve else None
     start = {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
-    torch.save({"state_dict": module.state_dict()}, path.with_suffix(".tmp"))
     path.with_suffix(".json").write_text(json.dumps(start))
-    path.with_suffix(".tmp").rename(path)  # last: a kill leaves no warm start that looks whole
+    with replacing(path) as tmp:  # the checkpoint last: a kill leaves no warm start that looks whole
+        torch.save({"state_dict": module.state_dict()}, tmp)
     return path, start
 
 

@@ -40,10 +40,12 @@ ENV = {
 def prepare(workdir: Path, args: argparse.Namespace) -> Path:
     """The model folder both load (the tiny model saved under `workdir`, or `--base` resolved to its folder), and
     every length's training prompts as JSONL under `workdir`, in the chat template when the tokenizer has one."""
+    from transformers import AutoTokenizer
+
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_data.prompts import format_prompt
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.policy import TinyModelConfig, load_pretrained
+    from interleave_model.policy import TinyModelConfig
     from interleave_model.shipped import resolve_model
 
     if args.base == "tiny":
@@ -55,7 +57,7 @@ def prepare(workdir: Path, args: argparse.Namespace) -> Path:
         tokenizer.save_pretrained(folder)
     else:
         folder = Path(resolve_model(args.base))
-        tokenizer = load_pretrained(str(folder))[1]
+        tokenizer = AutoTokenizer.from_pretrained(folder)  # its chat template, for the prompts: not the weights
     for words in args.words:
         data = InterleaveDataModule(stages=[words], train_pairs=args.pairs, val_pairs=0, test_pairs=0,
                                     template=args.template, cache_dir=str(workdir / "cache"))  # fmt: skip

