@@ -21,7 +21,7 @@ from interleave_model.machine import MachineError, settle
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TINY, PolicyError
 from interleave_model.preflight import report
-from interleave_model.runs import RunError, config_filename, place_run
+from interleave_model.runs import RunError, config_filename, place_run, requeue_save_path
 from interleave_model.settings import grouped_hparams
 from interleave_model.writers import EvaluationReport, PredictionWriter
 
@@ -52,6 +52,11 @@ class InterleaveTrainer(Trainer):
         checkpoint = load_weights(model, ckpt_path) if ckpt_path else {}
         source = {"checkpoint": ckpt_path and os.path.abspath(ckpt_path), "global_step": checkpoint.get("global_step")}
         export(model, output_dir, merge_lora=merge_lora, source=source)
+
+    def save_checkpoint(self, filepath, weights_only: bool | None = None, storage_options=None) -> None:
+        """Lightning's save; the one it makes on SLURM's requeue signal goes into the run's folder, where
+        `--ckpt_path last` finds it (`interleave_model.runs.requeue_save_path`)."""
+        super().save_checkpoint(requeue_save_path(self, filepath), weights_only, storage_options)
 
     def check(self, model: LightningModule, datamodule: LightningDataModule) -> None:
         """Check a model folder against the config before spending GPU time on it.

@@ -2,10 +2,11 @@
 
 Everything a run makes (checkpoints, config, samples.log, stages/, eval/, predictions) lives in its version folder,
 `trainer.log_dir`: the configs name only the logger's `name` (a `RunLogger`), the CLI fills its `save_dir` from
-`trainer.default_root_dir`, and ModelCheckpoint's `dirpath` is left to the logger. `--ckpt_path last` means the
-`last.ckpt` of the run of this name that saved one most recently (Lightning's own rule, by modification time, applied
-across the name's runs instead of one folder), and `fit` from a checkpoint inside a run keeps writing into that run;
-TensorBoard then drops what the stopped run logged after that checkpoint, so the curves go on without a fold.
+`trainer.default_root_dir`, and ModelCheckpoint's `dirpath` is left to the logger. Lightning's SLURM requeue save (on
+SIGUSR1) goes into the run's `checkpoints/` too. `--ckpt_path last` means the newest of the `last.ckpt` and requeue
+saves of the runs of this name (Lightning's own rule, by modification time, applied across the name's runs instead of
+one folder), and `fit` from a checkpoint inside a run keeps writing into that run; TensorBoard then drops what the
+stopped run logged after that checkpoint, so the curves go on without a fold.
 
 The functions read the parsed CLI config (jsonargparse Namespaces) of one subcommand.
 """
@@ -24,6 +25,7 @@ DEFAULT_LOGGER = "lightning.pytorch.loggers.TensorBoardLogger"  # what Lightning
 TENSORBOARD_LOGGERS = (DEFAULT_LOGGER, "lightning.pytorch.loggers.tensorboard.TensorBoardLogger",
                        "interleave_model.runs.RunLogger")  # fmt: skip
 LAST = "last.ckpt"
+REQUEUE = re.compile(r"hpc_ckpt_\d+\.ckpt")  # Lightning's name for the save it makes on SLURM's requeue signal
 
 
 class RunLogger(TensorBoardLogger):
@@ -78,9 +80,31 @@ def runs_root(config: Namespace) -> Path | None:
 
 
 def last_checkpoint(root: Path) -> Path | None:
-    """`last.ckpt` of the run under `root` that wrote one most recently; None when no run has one."""
-    candidates = [path for path in root.glob(f"version_*/checkpoints/{LAST}") if path.is_file()]
-    return max(candidates, key=lambda path: path.stat().st_mtime_ns, default=None)
+    """The newest `last.ckpt` or requeue save (`hpc_ckpt_<n>.ckpt`) of the runs under `root` that loads; None if none.
+
+    A requeue save holds the steps made since the last periodic `last.ckpt`. A file cut off by a kill mid-write (a
+    config without `AtomicCheckpointIO`) does not load and is passed over.
+    """
+    saves = [path for path in root.glob("version_*/checkpoints/*.ckpt") if _continues(path)]
+    newest_first = sorted(saves, key=lambda path: path.stat().st_mtime_ns, reverse=True)
+    return next((path for path in newest_first if saved_step(path) is not None), None)
+
+
+def _continues(path: Path) -> bool:
+    """Whether `--ckpt_path last` may continue from this file: a `last.ckpt` or a requeue save."""
+    return path.is_file() and (path.name == LAST or REQUEUE.fullmatch(path.name) is not None)
+
+
+def requeue_save_path(trainer, filepath: str | Path) -> str | Path:
+    """Where a checkpoint goes: Lightning's SLURM requeue save into the run's `checkpoints/`, where `last_checkpoint`
+    finds it, instead of `default_root_dir`, which the runs of every config share; any other one where it is asked.
+
+    Call it on every rank (`run_dir`), as `Trainer.save_checkpoint` is.
+    """
+    path = Path(filepath)
+    if not trainer.loggers or not REQUEUE.fullmatch(path.name) or path.parent != Path(trainer.default_root_dir):
+        return filepath
+    return run_dir(trainer) / "checkpoints" / path.name
 
 
 def run_version(root: Path, checkpoint: Path) -> int | None:
@@ -128,8 +152,17 @@ def next_logged_step(checkpoint: Path) -> int | None:
     The module logs every scalar at the trainer's `global_step` (`InterleaveGRPO._log_step`), and what a run logged
     at the checkpoint's own step was logged by the steps the checkpoint holds.
     """
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # mmap: reads only this much
-    return state["global_step"] + 1 if "global_step" in state else None
+    step = saved_step(checkpoint)
+    return step + 1 if step is not None else None
+
+
+def saved_step(checkpoint: Path) -> int | None:
+    """The checkpoint's `global_step`; None when it has none or does not load (torn by a kill mid-write)."""
+    try:
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True, mmap=True)  # mmap: reads only this much
+    except (RuntimeError, EOFError):
+        return None
+    return state.get("global_step")
 
 
 def config_filename(run_dir: Path) -> str:

@@ -7,13 +7,16 @@ and run in file order: the last one continues the second run.
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.tensorboard import SummaryWriter
 
 from cli import main, run
+from interleave_model.runs import last_checkpoint
 from tests.conftest import TINY_CONFIG
 
 RUN_CONFIG = """
@@ -132,3 +135,26 @@ def test_tensorboard_steps_are_the_global_step_across_resumes(tmp_path):
     steps = {tag: [e.step for e in events.Scalars(tag)] for tag in ("train/sft_loss", "train/loss", "val/alignment_4w")}
     # 2 warm-start steps, then GRPO; a validation every 2 steps: each scalar at the global_step it describes
     assert steps == {"train/sft_loss": [1, 2], "train/loss": [3, 4, 5, 6, 7, 8], "val/alignment_4w": [2, 4, 6, 8]}
+
+
+def test_last_is_the_newest_save_that_loads_requeue_saves_included(tmp_path):
+    saved = []
+
+    def save(name: str, step: int, version: int = 0, torn: bool = False) -> Path:
+        path = tmp_path / f"version_{version}" / "checkpoints" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"global_step": step}, path)
+        if torn:  # a kill mid-write without AtomicCheckpointIO: the zip's directory, at its end, is missing
+            path.write_bytes(path.read_bytes()[:-100])
+        saved.append(path)
+        os.utime(path, ns=(len(saved) * 10**9, len(saved) * 10**9))  # one second apart, in the order written
+        return path
+
+    save("last.ckpt", 4, version=0)
+    requeue = save("hpc_ckpt_1.ckpt", 5, version=0)  # SIGUSR1 after the periodic save
+    assert last_checkpoint(tmp_path) == requeue
+    newer_run = save("last.ckpt", 2, version=1)
+    assert last_checkpoint(tmp_path) == newer_run  # whatever its step
+    save("hpc_ckpt_1.ckpt", 3, version=1, torn=True)
+    save("epoch=0-step=9.ckpt", 9, version=1)  # what ModelCheckpoint keeps besides last.ckpt is not `last`
+    assert last_checkpoint(tmp_path) == newer_run
