@@ -123,6 +123,48 @@ def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_fol
     assert "round trip of the target words: ok" in captured.out and "greedy answer:" in captured.out
 
 
+@pytest.fixture(scope="module")
+def narrow_heads(tmp_path_factory, family_folders) -> Path:
+    """The Llama fixture with 8 heads of 16 dimensions, which vLLM's CPU attention does not run."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    source, out = family_folders["llama3"], tmp_path_factory.mktemp("llama3-heads-16")
+    config = AutoConfig.from_pretrained(source)
+    config.num_attention_heads, config.head_dim = 8, 16  # [128 wide] = 8 x 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_pretrained(source)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention")
+def test_check_of_a_model_the_engine_cannot_serve_answers_with_the_own_sampler(narrow_heads, tmp_path, capsys,
+                                                                              monkeypatch):  # fmt: skip
+    """One warning line naming the setting and why, then the report, its greedy answer by the own sampler."""
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)  # the precision's warning line, whatever the CPU
+    assert run(_check_args(narrow_heads, tmp_path)) == 0
+
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "greedy answer:" in captured.out
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert [line.split(":")[1].strip() for line in warnings] == ["trainer.precision", "model.rollout_engine"]
+    assert "this model's have 16, so check answers with the own sampler" in warnings[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention")
+def test_fit_of_a_model_the_engine_cannot_serve_is_refused_before_any_step(narrow_heads, tmp_path, capsys):
+    """A run asked for the engine: one `error:` line saying what to change (exit 2), before the warm-start."""
+    assert run(_args("fit", tmp_path, narrow_heads, *ENGINE)) == 2
+
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "this model's have 16: run with --model.rollout_engine own" in line
+
+
 def _console(args: list[str], **env: str) -> subprocess.CompletedProcess:
     """`python cli.py ARGS` as a user runs it, with none of this session's logging variables; `env` added."""
     inherited = {k: v for k, v in os.environ.items() if k not in LOGGING_VARIABLES}
