@@ -17,7 +17,7 @@ from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.compat import CompatCLI
 from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.export import export, load_weights
-from interleave_model.machine import MachineError, settle
+from interleave_model.machine import MachineError, settle, settle_engine
 from interleave_model.module import InterleaveGRPO
 from interleave_model.policy import TINY, PolicyError
 from interleave_model.preflight import report
@@ -84,6 +84,11 @@ class InterleaveCLI(CompatCLI):
             for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
                 self.config.check.trainer[key] = value
         settle(self.config[subcommand], subcommand)
+
+    def after_instantiate_classes(self) -> None:
+        """A vLLM that cannot serve the built model is refused now, or replaced by the own sampler in `check`
+        (`interleave_model.machine.settle_engine`), not met at the first rollout."""
+        settle_engine(self.model, self.subcommand)
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`).

@@ -1,8 +1,8 @@
 """What a run prints: quiet by default, one line per evaluation, and a summary at the end of fit / validate / test.
 
 `LOGLEVEL` (a Python logging level name: DEBUG, INFO, WARNING) turns the quiet mode off: every message, warning and
-progress bar of Lightning, transformers and datasets comes back, at that level. Left unset, the known harmless ones
-below are filtered, each for the reason given beside it.
+progress bar of Lightning, transformers, datasets and vLLM comes back, at that level. Left unset, the known harmless
+ones below are filtered, each for the reason given beside it, and vLLM says only its errors (`vllm_engine`).
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ QUIET_WARNINGS = (
     r"Found \d+ module\(s\) in eval mode at the start of training",
     # an evaluation of a checkpoint is a run of its own, with its own folder: the training run's is not reused
     r"The dirpath has changed from",
+    # vLLM's kernel dispatcher (vllm/triton_utils) reads an attribute torch >= 2.10 deprecates, at every engine start
+    r"`torch\.distributed\.reduce_op` is deprecated",
 )
 
 # Lightning info lines dropped in quiet mode (matched against the start of the message).
@@ -71,8 +73,10 @@ def configure_console(level: str | None = None) -> None:
         if not isinstance(number, int):
             raise ValueError(f"LOGLEVEL={level} is not a logging level (DEBUG, INFO, WARNING, ERROR)")
         logging.getLogger().setLevel(number)  # this project's own loggers (interleave_data.cache's progress bars)
-        for name in ("lightning.pytorch", "lightning.fabric"):
+        for name in ("lightning.pytorch", "lightning.fabric", "vllm"):
             logging.getLogger(name).setLevel(number)
+        # read as each vLLM engine starts, by vLLM's name of the level (WARN is WARNING)
+        os.environ["VLLM_LOGGING_LEVEL"] = logging.getLevelName(number)
         transformers.utils.logging.set_verbosity(number)
         datasets.utils.logging.set_verbosity(number)
         for name in LIGHTNING_LOGGERS:

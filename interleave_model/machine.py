@@ -5,8 +5,9 @@ A config written for GPUs (`configs/llama-3.2-3b.yaml`: a GPU, bf16, vLLM with s
 An option the run can do without is turned off with one `warning:` line naming it; one it cannot do without is
 refused with a `MachineError`, which the CLI prints as one `error:` line (exit 2).
 
-`settle` fits a command's parsed config before anything is built; `engine_settings` fits the vLLM engine's options
-to the platform vLLM runs on and to the model it loads, as the engine starts.
+`settle` fits a command's parsed config before anything is built; `settle_engine` asks, once the model is built and
+before the command runs, whether vLLM here can serve it; `engine_settings` fits the vLLM engine's options to the
+platform vLLM runs on and to the model it loads, as the engine starts.
 """
 
 from __future__ import annotations
@@ -60,6 +61,44 @@ def settle(config, subcommand: str) -> None:
             )
         warn("model.rollout_engine: vLLM is not installed, so check answers with the own sampler")
         model.rollout_engine = "own"
+
+
+def settle_engine(module, subcommand: str) -> None:
+    """With `model.rollout_engine: vllm`, a built model vLLM cannot serve on this machine (`engine_problem`) is
+    refused, before any step (a fit would otherwise fail at its first rollout, after the warm-start); `check` answers
+    with the own sampler instead, with one warning line. The same rule as for vLLM not installed (`settle`): a check
+    is asked about the model, a run asked for the engine."""
+    if subcommand == "export" or module.sampler.kind != "vllm":
+        return
+    problem = engine_problem(module.policy.config)
+    if problem is None:
+        return
+    if subcommand != "check":
+        raise MachineError(f"model.rollout_engine is 'vllm', but {problem}: run with --model.rollout_engine own")
+    warn(f"model.rollout_engine: {problem}, so check answers with the own sampler")
+    module.sampler.kind = "own"
+
+
+def engine_problem(config) -> str | None:
+    """Why vLLM here cannot serve a model of this (transformers) `config`, or None when nothing known stops it.
+
+    vLLM's CPU attention declares the head sizes its kernels run (32, 64, 80, ...) but does not check them as it
+    starts: a model of another head size fails at its first forward pass, deep in a kernel (`RuntimeError:
+    Unsupported CPU attention configuration`). On a GPU vLLM chooses its attention backend by head size and refuses,
+    as it starts, a size none of them runs. Models with latent attention (MLA) run other CPU backends.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or getattr(config, "kv_lora_rank", None):
+        return None
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads = getattr(config, "num_attention_heads", None)
+    size = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if size is None or CPUAttentionBackend.supports_head_size(size):
+        return None
+    sizes = ", ".join(map(str, CPUAttentionBackend.get_supported_head_sizes()))
+    return f"vLLM's CPU attention runs heads of {sizes} dimensions, and this model's have {size}"
 
 
 def engine_settings(settings, platform, max_positions: int | None):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
+from transformers.utils import logging as hf_logging
 
 from interleave_model.machine import engine_settings
 from interleave_model.policy import is_peft
@@ -19,8 +21,13 @@ from interleave_model.rollout import Rollout, completion_texts
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-# Its start-up report (dozens of INFO lines per engine) would bury the training log; set the variable to see it.
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+# Its start-up report (dozens of INFO and WARNING lines per engine, none for the user to act on) would bury the
+# training log: errors only, on stderr with the other libraries' messages. vLLM configures its logger from these two
+# variables as each engine starts; what it says before that (at import) passes the "vllm" logger's own level.
+# LOGLEVEL (interleave_model.console), or the variables, bring the rest back.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
 @dataclass
@@ -129,6 +136,7 @@ class VllmEngine:
             enable_prefix_caching=True,  # the G completions of a prompt share its prefill
             generation_config="vllm",  # sampling follows the trainer's settings, not the folder's defaults
             logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+            use_tqdm_on_load=hf_logging.is_progress_bar_enabled(),  # bars as the console wants them (LOGLEVEL)
             **options,
         )
         self._vllm = vllm

@@ -6,6 +6,10 @@ On the GPT-2 fixture: its answers are words, where the random chat families answ
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,8 @@ from interleave_model import machine  # noqa: E402
 from interleave_model.policy import load_pretrained  # noqa: E402
 from tests.conftest import TINY_CONFIG  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+LOGGING_VARIABLES = ("LOGLEVEL", "VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM")  # not passed on to a user's console
 ENGINE = ["--model.rollout_engine=vllm", "--model.vllm.kv_cache_memory_bytes=33554432",
           "--model.vllm.max_model_len=1024", "--model.vllm.enforce_eager=true"]  # fmt: skip
 
@@ -89,19 +95,21 @@ def test_resume_on_the_engine(fitted, folder):
     assert cli.trainer.global_step == 6
 
 
+def _check_args(folder: Path, cache: Path) -> list[str]:
+    """`check` of configs/llama-3.2-3b.yaml (vLLM, with options a CPU turns off) on `folder`, kept small."""
+    return ["check", "--config", str(ROOT / "configs" / "llama-3.2-3b.yaml"), f"--model.model_name_or_path={folder}",
+            "--model.vllm.kv_cache_memory_bytes=33554432", "--data.eval_stages=[10]", "--data.train_pairs=4",
+            "--data.val_pairs=2", f"--data.cache_dir={cache}"]  # fmt: skip
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU cannot do: sleep mode, CUDA graphs")
 def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_folders, tmp_path, capsys, monkeypatch):
     """configs/llama-3.2-3b.yaml on a CPU: sleep mode off, no CUDA graphs, the engine's length cut to the model's
     (the Llama fixture has 2,048 positions, the config asks for 4,096), and bf16-mixed precision on a CPU without bf16
     instructions (made so here: the test must not depend on the CPU it runs on), one warning line each; then the
     report."""
-    config = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
-    args = ["check", "--config", str(config), f"--model.model_name_or_path={family_folders['llama3']}",
-            "--model.vllm.kv_cache_memory_bytes=33554432", "--data.eval_stages=[10]", "--data.train_pairs=4",
-            "--data.val_pairs=2", f"--data.cache_dir={tmp_path}"]  # fmt: skip
-
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
-    assert run(args) == 0
+    assert run(_check_args(family_folders["llama3"], tmp_path)) == 0
 
     captured = capsys.readouterr()
     warnings = [line.split(":")[1].strip() for line in captured.err.splitlines() if line.startswith("warning:")]
@@ -113,3 +121,76 @@ def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_fol
     ]
     assert sorted(warnings) == sorted(expected)
     assert "round trip of the target words: ok" in captured.out and "greedy answer:" in captured.out
+
+
+@pytest.fixture(scope="module")
+def narrow_heads(tmp_path_factory, family_folders) -> Path:
+    """The Llama fixture with 8 heads of 16 dimensions, which vLLM's CPU attention does not run."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig, LlamaForCausalLM
+
+    source, out = family_folders["llama3"], tmp_path_factory.mktemp("llama3-heads-16")
+    config = AutoConfig.from_pretrained(source)
+    config.num_attention_heads, config.head_dim = 8, 16  # [128 wide] = 8 x 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config = GenerationConfig.from_pretrained(source)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(source).save_pretrained(out)
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention")
+def test_check_of_a_model_the_engine_cannot_serve_answers_with_the_own_sampler(narrow_heads, tmp_path, capsys,
+                                                                              monkeypatch):  # fmt: skip
+    """One warning line naming the setting and why, then the report, its greedy answer by the own sampler."""
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)  # the precision's warning line, whatever the CPU
+    assert run(_check_args(narrow_heads, tmp_path)) == 0
+
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err and "greedy answer:" in captured.out
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert [line.split(":")[1].strip() for line in warnings] == ["trainer.precision", "model.rollout_engine"]
+    assert "this model's have 16, so check answers with the own sampler" in warnings[1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention")
+def test_fit_of_a_model_the_engine_cannot_serve_is_refused_before_any_step(narrow_heads, tmp_path, capsys):
+    """A run asked for the engine: one `error:` line saying what to change (exit 2), before the warm-start."""
+    assert run(_args("fit", tmp_path, narrow_heads, *ENGINE)) == 2
+
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert "this model's have 16: run with --model.rollout_engine own" in line
+
+
+def _console(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """`python cli.py ARGS` as a user runs it, with none of this session's logging variables; `env` added."""
+    inherited = {k: v for k, v in os.environ.items() if k not in LOGGING_VARIABLES}
+    env = inherited | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | env
+    command = [sys.executable, "cli.py", *args]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _vllm_levels(text: str) -> list[str]:
+    """The levels of the lines vLLM's own logger wrote (`(MainProcess pid=26743) WARNING 11-25 17:46:12 [...] ...`)."""
+    return [m.group(1) for m in map(re.compile(r"^\(\w+ pid=\d+\) ([A-Z]+) ").match, text.splitlines()) if m]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's start-up messages")
+def test_the_engine_says_only_its_errors_unless_loglevel(family_folders, tmp_path):
+    """A check answered by vLLM prints the report and the project's warning lines, none of vLLM's messages, warnings
+    or progress bars; LOGLEVEL=INFO brings its start-up report back, on stderr with the other libraries'."""
+    args = _check_args(family_folders["llama3"], tmp_path)
+    quiet = _console(args)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "greedy answer:" in quiet.stdout and _vllm_levels(quiet.stdout) == []
+    others = [line for line in quiet.stderr.splitlines() if not line.startswith("warning: ")]
+    # but one: vLLM's C++ extension warns through c10's logging (`[W1125 17:51:44.508 utils.cpp:68] Warning: NUMA
+    # binding: ...`), whose level torch reads once, as it loads: Python cannot quiet it
+    assert [line for line in others if not re.match(r"\[W\d{4} .*Warning: NUMA binding", line)] == []
+
+    loud = _console(args, LOGLEVEL="INFO")
+    assert loud.returncode == 0, loud.stderr
+    assert _vllm_levels(loud.stdout) == [] and "INFO" in _vllm_levels(loud.stderr)

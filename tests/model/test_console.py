@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 
 import datasets
@@ -17,8 +18,9 @@ NOISE = "Checkpoint directory /runs/demo/version_0/checkpoints exists and is not
 @pytest.fixture
 def console(monkeypatch):
     """configure_console, with the process-wide logging state it changes put back afterwards."""
-    names = ("", "lightning.pytorch", "lightning.fabric")
+    names = ("", "lightning.pytorch", "lightning.fabric", "vllm")
     levels = {name: logging.getLogger(name).level for name in names}
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"))  # put back at teardown
     verbosity = (transformers.utils.logging.get_verbosity(), datasets.utils.logging.get_verbosity())
     yield configure_console
     monkeypatch.delenv("LOGLEVEL", raising=False)
@@ -50,6 +52,11 @@ def test_quiet_by_default_and_loglevel_brings_everything_back(console, monkeypat
     console()
     assert _shown(NOISE) == [NOISE] and _kept("GPU available: False, used: False")
     assert logging.getLogger("interleave_data.cache").isEnabledFor(logging.INFO)  # the dataset progress bars
+    # vLLM's messages before an engine starts, and the level each engine configures its logger with
+    assert logging.getLogger("vllm").isEnabledFor(logging.INFO) and os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
+    monkeypatch.setenv("LOGLEVEL", "warn")
+    console()
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"  # vLLM knows the level by this name only
     with pytest.raises(ValueError, match="LOGLEVEL=LOUD is not a logging level"):
         console("loud")
 
