@@ -6,7 +6,7 @@ them; the random fixture model never stops, so both engines generate the whole b
 and length, then the median of `--repeats`. `tokens_per_s` counts generated tokens (through the stop token) per
 second of wall time, `ms_per_token` is its inverse, and `ms_per_step` the time per decoding step of the whole batch.
 Without `--model` it builds the Llama-3 test fixture (2 layers, 128 wide, tests/families.py) in a temporary folder.
-vLLM's CPU build needs it installed (`pip install -e ".[test]"` on x86-64 Linux).
+vLLM's CPU build needs it installed (the README's test command's install steps, on x86-64 Linux).
 
     python benchmarks/rollout.py [--model FOLDER] [--words 10 50 200] [--prompts 2] [--generations 8] [--repeats 3]
 """
