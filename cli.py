@@ -14,16 +14,16 @@ from lightning.pytorch.cli import LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
-from interleave_model.compat import CompatCLI
-from interleave_model.console import ConsoleSummary, StepProgressBar, configure_console
-from interleave_model.export import export, load_weights
-from interleave_model.machine import MachineError, settle, settle_engine
+from interleave_model.model.export import export, load_weights
+from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import TINY, PolicyError
-from interleave_model.preflight import report
-from interleave_model.runs import RunError, config_filename, place_run, requeue_save_path
+from interleave_model.preflight.checks import report
+from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
+from interleave_model.run.runs import RunError, config_filename, place_run, requeue_save_path
+from interleave_model.run.writers import EvaluationReport, PredictionWriter
+from interleave_model.runtime.compat import CompatCLI
+from interleave_model.runtime.machine import MachineError, settle, settle_engine
 from interleave_model.settings import grouped_hparams
-from interleave_model.writers import EvaluationReport, PredictionWriter
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
 USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError)
@@ -46,7 +46,7 @@ class InterleaveTrainer(Trainer):
             model: The module built from the config.
             datamodule: Unused; the CLI passes it.
             ckpt_path: Checkpoint whose weights to export; None exports the weights as the config builds them.
-            output_dir: Folder to write (see `interleave_model.export`).
+            output_dir: Folder to write (see `interleave_model.model.export`).
             merge_lora: Under LoRA, merge the adapter into the base and save a plain model folder.
         """
         checkpoint = load_weights(model, ckpt_path) if ckpt_path else {}
@@ -55,14 +55,14 @@ class InterleaveTrainer(Trainer):
 
     def save_checkpoint(self, filepath, weights_only: bool | None = None, storage_options=None) -> None:
         """Lightning's save; the one it makes on SLURM's requeue signal goes into the run's folder, where
-        `--ckpt_path last` finds it (`interleave_model.runs.requeue_save_path`)."""
+        `--ckpt_path last` finds it (`interleave_model.run.runs.requeue_save_path`)."""
         super().save_checkpoint(requeue_save_path(self, filepath), weights_only, storage_options)
 
     def check(self, model: LightningModule, datamodule: LightningDataModule) -> None:
         """Check a model folder against the config before spending GPU time on it.
 
         Prints what was read (stop ids, pad, chat template, BOS), each length's tokens against the model's limit, the
-        round trip of the target words, and one greedy answer with its score (`interleave_model.preflight`).
+        round trip of the target words, and one greedy answer with its score (`interleave_model.preflight.checks`).
         """
         datamodule.prepare_data()
         datamodule.setup("predict")
@@ -78,7 +78,7 @@ class InterleaveCLI(CompatCLI):
 
     def before_instantiate_classes(self) -> None:
         """`check` runs on one device, a CPU where there is no GPU; every command gets what this machine can honour
-        of its options, or one `error:` line before anything is built (`interleave_model.machine`)."""
+        of its options, or one `error:` line before anything is built (`interleave_model.runtime.machine`)."""
         subcommand = self.config.get("subcommand")
         if subcommand == "check":
             for key, value in {"accelerator": "auto", "devices": 1, "num_nodes": 1, "strategy": "auto"}.items():
@@ -87,11 +87,11 @@ class InterleaveCLI(CompatCLI):
 
     def after_instantiate_classes(self) -> None:
         """A vLLM that cannot serve the built model is refused now, or replaced by the own sampler in `check`
-        (`interleave_model.machine.settle_engine`), not met at the first rollout."""
+        (`interleave_model.runtime.machine.settle_engine`), not met at the first rollout."""
         settle_engine(self.model, self.subcommand)
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
-        """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.runs`).
+        """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.run.runs`).
 
         A `fit` that continues a run of this config writes on into it, config included.
         """

@@ -25,7 +25,7 @@ from pydoc_data.topics import topics
 import edlib
 from rapidfuzz.distance import Levenshtein
 
-from interleave_model.alignment import (
+from interleave_model.evaluation.alignment import (
     EDLIB_MAX_SYMBOLS,
     _bitparallel_runs,
     _edlib_runs,

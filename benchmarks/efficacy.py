@@ -38,10 +38,10 @@ import torch
 from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule, batches_run
-from interleave_model.callbacks import CurriculumCallback
-from interleave_model.grpo import zero_std_groups
+from interleave_model.algorithm.grpo import zero_std_groups
+from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import LoraSettings, TinyModelConfig
+from interleave_model.run.callbacks import CurriculumCallback
 from interleave_model.settings import grouped_hparams
 
 

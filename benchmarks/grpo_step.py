@@ -58,7 +58,7 @@ def rss_mb() -> tuple[float, float]:
 def budget(words: int) -> int:
     """The token budget of a `words`-word stage with a word-level tokenizer (a 2 * words target), as the module sizes
     it: `vs_trl.py` gives TRL the same."""
-    from interleave_model.rollout import token_budget
+    from interleave_model.generation.rollout import token_budget
 
     return token_budget([2 * words])
 
@@ -125,7 +125,7 @@ def random_model_folder(name: str, folder: str, template: str) -> str:
 
     from interleave_data.corpus import load_corpus
     from interleave_data.prompts import format_prompt
-    from interleave_model.policy import build_tiny_tokenizer
+    from interleave_model.model.policy import build_tiny_tokenizer
 
     shape = RANDOM_SHAPES[name]
     words = [t.words for t in load_corpus(None).texts]
@@ -145,8 +145,8 @@ def random_model_folder(name: str, folder: str, template: str) -> str:
 def build(args: argparse.Namespace, words: int, cache_dir: str):
     """The module (tiny Llama or a local model folder) and a one-stage datamodule, as the demo config builds them."""
     from interleave_data.datamodule import InterleaveDataModule
+    from interleave_model.model.policy import LoraSettings, TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.policy import LoraSettings, TinyModelConfig
     from interleave_model.settings import Loss, Optimization, Sampling
 
     shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,

@@ -32,9 +32,9 @@ from tokenizers.processors import TemplateProcessing
 from interleave_data.corpus import load_corpus
 from interleave_data.pairs import build_examples, interleave, split_texts
 from interleave_data.prompts import format_prompt
-from interleave_model.alignment import score_batch
-from interleave_model.policy import build_tiny_tokenizer
-from interleave_model.rollout import rollout
+from interleave_model.evaluation.alignment import score_batch
+from interleave_model.generation.rollout import rollout
+from interleave_model.model.policy import build_tiny_tokenizer
 
 # instruction words of the base models' tasks; "Interleave:" is the compact template's own
 INSTRUCTIONS = {"repeat_a": ["Repeat", "A:"], "repeat_b": ["Repeat", "B:"], "concatenate": ["Concatenate:"],

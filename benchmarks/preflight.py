@@ -46,8 +46,8 @@ def module(name: str, config: Path, folder: Path):
     """The config's tiny model, or a family fixture built into `folder`, with the config's prompt template."""
     import yaml
 
+    from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.policy import TinyModelConfig
 
     settings = yaml.safe_load(config.read_text())
     template = settings["data"].get("template", "two_processes")
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     sys.path.insert(0, str(ROOT))
-    from interleave_model.preflight import lengths, preflight  # interleave_model before lightning, as cli.py
+    from interleave_model.preflight.checks import lengths, preflight  # interleave_model before lightning, as cli.py
 
     results = {}
     with tempfile.TemporaryDirectory() as tmp:

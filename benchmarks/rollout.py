@@ -28,7 +28,7 @@ def prompts(tokenizer, words: int, n: int):
     from interleave_data.corpus import load_corpus
     from interleave_data.pairs import build_examples
     from interleave_data.prompts import format_prompt
-    from interleave_model.rollout import token_budget
+    from interleave_model.generation.rollout import token_budget
 
     examples = build_examples(load_corpus(None).texts, words, n, seed=0, split="train")
     enc = tokenizer([format_prompt(e.a, e.b, "two_processes", tokenizer) for e in examples], return_tensors="pt",
@@ -64,9 +64,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from interleave_model.policy import load_pretrained, stop_token_ids
-    from interleave_model.rollout import rollout
-    from interleave_model.vllm_engine import VllmEngine, VllmSettings
+    from interleave_model.generation.rollout import rollout
+    from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings
+    from interleave_model.model.policy import load_pretrained, stop_token_ids
 
     torch.set_num_threads(1)  # vLLM's CPU build serves on one thread here too
     workdir = tempfile.TemporaryDirectory()

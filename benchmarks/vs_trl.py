@@ -44,9 +44,9 @@ def prepare(workdir: Path, args: argparse.Namespace) -> Path:
 
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_data.prompts import format_prompt
+    from interleave_model.model.policy import TinyModelConfig
+    from interleave_model.model.shipped import resolve_model
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.policy import TinyModelConfig
-    from interleave_model.shipped import resolve_model
 
     if args.base == "tiny":
         shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
@@ -104,7 +104,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from interleave_model.alignment import score_batch
+    from interleave_model.evaluation.alignment import score_batch
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -10,24 +10,32 @@ from typing import Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.strategies import FSDPStrategy
 from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
 from interleave_data.prompts import TemplateName
-from interleave_model import grpo
-from interleave_model.checkpoint import load_initial_weights, restore_run_state, save_run_state
-from interleave_model.compat import forget_step_values
-from interleave_model.dynamic_sampling import DynamicSampling, refill
-from interleave_model.evaluation import Evaluator, logged_values, prediction_records
-from interleave_model.logprobs import (
+from interleave_model import old_path
+from interleave_model.algorithm import grpo
+from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
+from interleave_model.algorithm.logprobs import (
     chunked_completion_logprobs,
     completion_logits,
     completion_logprobs,
     row_chunks,
     sft_inputs,
 )
-from interleave_model.policy import (
+from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
+from interleave_model.algorithm.records import StepRecord, Trajectory, trajectory_stats
+from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction, combine
+from interleave_model.algorithm.schedule import phase_learning_rate
+from interleave_model.algorithm.step_guard import StepGuard, check_clipping
+from interleave_model.evaluation.evaluator import Evaluator
+from interleave_model.evaluation.steps import EvaluationSteps
+from interleave_model.generation.rollout import Rollout
+from interleave_model.generation.sampler import Sampler
+from interleave_model.generation.vllm_engine import VllmSettings
+from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
+from interleave_model.model.policy import (
     TINY,
     LoraSettings,
     TinyModelConfig,
@@ -39,13 +47,9 @@ from interleave_model.policy import (
     is_peft,
     prepare_for_training,
 )
-from interleave_model.preflight import preflight
-from interleave_model.ranks import batch_scaled_advantages, mean_over_ranks
-from interleave_model.records import StepRecord, Trajectory, trajectory_stats
-from interleave_model.rewards import AlignmentReward, RewardFunction, combine
-from interleave_model.rollout import Rollout
-from interleave_model.sampler import Sampler
-from interleave_model.schedule import phase_learning_rate
+from interleave_model.model.shipped import resolve_model
+from interleave_model.preflight.checks import preflight
+from interleave_model.runtime.compat import forget_step_values
 from interleave_model.settings import (
     GROUPS,
     Evaluation,
@@ -57,19 +61,18 @@ from interleave_model.settings import (
     checkpoint_groups,
     typed,
 )
-from interleave_model.shipped import resolve_model
-from interleave_model.step_guard import StepGuard
-from interleave_model.vllm_engine import VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
-# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them.
-torch.serialization.add_safe_globals([TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings])
+# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
+# their paths and under the ones they had before their modules moved into rooms (`interleave_model.MOVED`)
+_SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
+torch.serialization.add_safe_globals([*_SETTINGS, *((cls, old_path(cls)) for cls in _SETTINGS)])
 
 
-class InterleaveGRPO(L.LightningModule):
+class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     """Policy, frozen reference and GRPO loss for word interleaving.
 
     Args:
@@ -182,20 +185,15 @@ class InterleaveGRPO(L.LightningModule):
         self.train()
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and self.optimization.max_grad_norm and isinstance(self.trainer.strategy, FSDPStrategy):
-            # StepGuard clips by the norm of the gradients a rank holds: under FSDP that is one shard's norm (and
-            # Lightning's FSDP precision refuses clipping by norm too)
-            raise ValueError("model.optimization.max_grad_norm: clipping needs whole gradients on each rank, and FSDP "
-                             "shards them; set it to 0")  # fmt: skip
+        if stage == "fit":
+            check_clipping(self.trainer.strategy, self.optimization.max_grad_norm)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
             preflight(self, datamodule)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        return torch.optim.AdamW(
-            params, lr=self.optimization.learning_rate, weight_decay=self.optimization.weight_decay
-        )
+        params, opt = [p for p in self.policy.parameters() if p.requires_grad], self.optimization
+        return torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         record = None
@@ -231,24 +229,8 @@ class InterleaveGRPO(L.LightningModule):
         self._log_step()
         return {"record": record}
 
-    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
-
-    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
-
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         forget_step_values(self.trainer)  # a step logs what it measured, not what an earlier step did
-
-    def on_validation_epoch_end(self) -> None:
-        self._log_metrics("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._log_metrics("test")
-
-    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
-        """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
-        return prediction_records(batch, *self._answers(batch, batch_idx))
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
@@ -257,9 +239,8 @@ class InterleaveGRPO(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.grpo_start = checkpoint.get("grpo_start")
-        self.guard.skipped, self.reference = restore_run_state(
-            checkpoint, self.policy, self.reference, self._generator, self.device
-        )
+        state = checkpoint, self.policy, self.reference, self._generator, self.device
+        self.guard.skipped, self.reference = restore_run_state(*state)
         self.sampler.weights_loaded()
 
     # ---------------------------------------------------------------- the algorithm
@@ -280,21 +261,16 @@ class InterleaveGRPO(L.LightningModule):
 
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
         attention_mask = torch.cat([roll.prompt_mask, roll.completion_mask], dim=1)  # [P*G, Lp+C]
+        sequences = input_ids, attention_mask, roll.completion_ids
         with torch.no_grad():
             # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
-            old = None
-            if loss.num_iterations > 1:
-                old = self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids)
-            ref = self._reference_logprobs(input_ids, attention_mask, roll.completion_ids) if loss.beta > 0 else None
+            old = self._logprobs(self.policy, *sequences) if loss.num_iterations > 1 else None
+            ref = self._reference_logprobs(*sequences) if loss.beta > 0 else None
             gap = None
             if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
-                trainer = (
-                    self._logprobs(self.policy, input_ids, attention_mask, roll.completion_ids) if old is None else old
-                )
+                trainer = self._logprobs(self.policy, *sequences) if old is None else old
                 gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
-        trajectory = Trajectory(
-            input_ids, attention_mask, roll.completion_ids, roll.completion_mask, old, ref, rewards, advantages, roll
-        )
+        trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
         stats = trajectory_stats(trajectory, G) | {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
@@ -303,8 +279,9 @@ class InterleaveGRPO(L.LightningModule):
 
     def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
         """One clipped policy-gradient update on a trajectory, in micro-batches of rows."""
-        loss, temperature = self.loss, self.sampling.temperature
+        loss, temperature, G = self.loss, self.sampling.temperature, self.sampling.num_generations
         started = time.perf_counter()
+        cap = self.sampler.importance_sampling_cap(trajectory.rollout)  # an engine's samples, corrected: TIS
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
         total_tokens = mask.sum().clamp(min=1.0)
@@ -316,24 +293,17 @@ class InterleaveGRPO(L.LightningModule):
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
-            logprobs, entropy = completion_logprobs(
-                self.policy,
-                ids,
-                attention,
-                trajectory.completion_ids[rows],
-                temperature,
-                with_entropy=True,
-                group_size=self.sampling.num_generations,
-            )  # [n, C] each
+            logprobs, entropy = completion_logprobs(self.policy, ids, attention, trajectory.completion_ids[rows],
+                                                    temperature, with_entropy=True, group_size=G)  # fmt: skip
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
             out = grpo.policy_loss(
                 logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=loss.epsilon,
                 epsilon_high=loss.epsilon_high, ref_logprobs=ref, beta=loss.beta, kl_estimator=loss.kl_estimator,
-                loss_type=loss.loss_type,
+                loss_type=loss.loss_type, num_tokens=num_tokens,
                 max_completion_length=loss.max_completion_length or self.sampling.max_new_tokens,
-                num_tokens=num_tokens,
-                importance_weights=self.sampler.importance_weights(trajectory.rollout, old, rows),
+                importance_weights=None if cap is None else
+                grpo.truncated_importance_weights(old, trajectory.rollout.logprobs[rows], cap),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
@@ -364,10 +334,6 @@ class InterleaveGRPO(L.LightningModule):
 
     # ---------------------------------------------------------------- pieces
 
-    def greedy(self, batch: dict) -> list[str]:
-        """Greedy answers, one per prompt (evaluation)."""
-        return self._rollout(batch, num_generations=1, temperature=0.0).texts
-
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
@@ -375,23 +341,6 @@ class InterleaveGRPO(L.LightningModule):
         # the update gets the engine's KV memory after sampling
         version, rank, sleep = self.global_step, self.global_rank, self.training
         return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
-
-    def _answers(self, batch: dict, batch_idx: int) -> tuple[list[str], list[list[str]] | None]:
-        """Greedy answers and, with `evaluation.num_samples`, sampled ones (`Evaluator.answers`)."""
-
-        def sample(batch: dict, n: int, temperature: float, generator: torch.Generator | None) -> list[str]:
-            return self._rollout(batch, n, temperature, generator).texts
-
-        return self.evaluator.answers(batch, batch_idx, self.global_rank, self.device, sample)
-
-    def _log_metrics(self, prefix: str) -> None:
-        """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
-        rows = self.evaluator.table(self._sum_over_ranks)
-        for name, value in logged_values(rows, prefix).items():
-            # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
-            self.log(name, value, batch_size=1, sync_dist=True)
-        self._log_step()
-        self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         temperature, G = self.sampling.temperature, self.sampling.num_generations

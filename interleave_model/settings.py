@@ -20,37 +20,10 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from interleave_model.evaluation import resolve_pass_k
-from interleave_model.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
-from interleave_model.schedule import LrSchedule
-
-
-@dataclass
-class Sampling:
-    """How the training rollout samples (`model.sampling`).
-
-    Args:
-        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
-        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL). A curriculum's
-            "raise_temperature" response changes it during training.
-        top_p: Nucleus sampling mass.
-        top_k: Keep the k most likely tokens; 0 keeps all.
-        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
-        budget_margin: Share of the longest target's token length added to the automatic budget.
-    """
-
-    num_generations: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int | None = None
-    budget_margin: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError(
-                f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
-            )
+from interleave_model.algorithm.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
+from interleave_model.algorithm.schedule import LrSchedule
+from interleave_model.evaluation.evaluator import resolve_pass_k
+from interleave_model.generation.sampler import Sampling  # beside its reader; one of the groups
 
 
 @dataclass

@@ -33,8 +33,8 @@ def make_module():
     Settings may be named flat (`temperature=0.9`): they go into their groups as an older checkpoint's do
     (`settings.grouped_hparams`), which keeps the tests short and that path always exercised.
     """
+    from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.policy import TinyModelConfig
     from interleave_model.settings import grouped_hparams
 
     def make(**overrides):

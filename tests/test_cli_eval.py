@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 import cli
 from cli import main
-from interleave_model.alignment import align
+from interleave_model.evaluation.alignment import align
 from tests.conftest import TINY_CONFIG
 
 EVAL_CONFIG = Path(__file__).parents[1] / "configs" / "eval.yaml"

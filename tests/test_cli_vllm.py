@@ -19,8 +19,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 pytest.importorskip("vllm")
 
 from cli import main, run  # noqa: E402
-from interleave_model import machine  # noqa: E402
-from interleave_model.policy import load_pretrained  # noqa: E402
+from interleave_model.model.policy import load_pretrained  # noqa: E402
+from interleave_model.runtime import machine  # noqa: E402
 from tests.conftest import TINY_CONFIG  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

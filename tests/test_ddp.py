@@ -17,10 +17,10 @@ import torch
 import yaml
 
 from cli import main
+from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.generation.rollout import Rollout
+from interleave_model.model.policy import TinyModelConfig
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import TinyModelConfig
-from interleave_model.rewards import RewardFunction
-from interleave_model.rollout import Rollout
 from interleave_model.settings import Loss, Optimization, Sampling
 from tests.conftest import TINY_CONFIG, TINY_SHAPE
 
@@ -52,8 +52,8 @@ CURRICULUM = {"threshold": 0.0, "patience": 1, "min_steps": 1, "window": 2}
 
 def _callbacks(tmp_path: Path) -> list[dict]:
     return [
-        {"class_path": "interleave_model.callbacks.CurriculumCallback"},
-        {"class_path": "interleave_model.samples.SampleDump", "init_args": {"every_n_steps": 1}},
+        {"class_path": "interleave_model.run.callbacks.CurriculumCallback"},
+        {"class_path": "interleave_model.run.samples.SampleDump", "init_args": {"every_n_steps": 1}},
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(tmp_path / "ckpt"), "save_last": True, "save_top_k": 0}},
         {"class_path": "tests.test_ddp.RankReport", "init_args": {"folder": str(tmp_path / "ranks")}},
@@ -66,7 +66,7 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
     trainer = {
         "devices": 2, "strategy": "ddp", "max_steps": 5, "val_check_interval": 4, "limit_val_batches": 1,
         "default_root_dir": str(tmp_path), "callbacks": _callbacks(tmp_path),
-        "plugins": [{"class_path": "interleave_model.checkpoint.AtomicCheckpointIO"}],
+        "plugins": [{"class_path": "interleave_model.model.checkpoint.AtomicCheckpointIO"}],
     }  # fmt: skip
     extra.write_text(yaml.safe_dump({"trainer": trainer, "data": {"curriculum": CURRICULUM}}))
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -90,7 +90,7 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
     resumed = main([
         "fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path / 'resumed'}",
         "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",
-        "--trainer.max_steps=7", "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback",
+        "--trainer.max_steps=7", "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback",
         f"--ckpt_path={tmp_path / 'ckpt' / 'last.ckpt'}",
     ])  # fmt: skip
     assert resumed.trainer.global_step == 7

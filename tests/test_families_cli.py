@@ -16,8 +16,8 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from interleave_model.logprobs import completion_logprobs
-from interleave_model.policy import is_peft
+from interleave_model.algorithm.logprobs import completion_logprobs
+from interleave_model.model.policy import is_peft
 
 FAMILY_CONFIG = Path(__file__).parent / "configs" / "family.yaml"
 LORA = ["--model.lora.r=4"]

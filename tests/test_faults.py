@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from cli import main
-from interleave_model.checkpoint import AtomicCheckpointIO
+from interleave_model.model.checkpoint import AtomicCheckpointIO
 from tests.conftest import TINY_CONFIG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import io, os, signal, sys
     import torch
-    from interleave_model.checkpoint import AtomicCheckpointIO
+    from interleave_model.model.checkpoint import AtomicCheckpointIO
 
     path, plugin = sys.argv[1], AtomicCheckpointIO()
     plugin.save_checkpoint({"version": 1, "weights": torch.arange(1000)}, path)
@@ -83,8 +83,8 @@ def test_sigkill_during_training_resumes_from_the_last_complete_checkpoint(tmp_p
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint", f"--trainer.callbacks.dirpath={ckpt}",
         "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_last=true",
         "--trainer.callbacks.save_top_k=-1", "--trainer.callbacks.filename={step}",
-        "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback", "--trainer.callbacks.export=false",
-        "--trainer.plugins+=interleave_model.checkpoint.AtomicCheckpointIO",
+        "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback", "--trainer.callbacks.export=false",
+        "--trainer.plugins+=interleave_model.model.checkpoint.AtomicCheckpointIO",
     ]  # fmt: skip
     run = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -107,7 +107,7 @@ def test_sigkill_during_training_resumes_from_the_last_complete_checkpoint(tmp_p
     resumed = main([
         "fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path / 'resumed'}",
         "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0",
-        f"--trainer.max_steps={last + 2}", "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback",
+        f"--trainer.max_steps={last + 2}", "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback",
         f"--ckpt_path={ckpt / 'last.ckpt'}",
     ])  # fmt: skip
     assert resumed.trainer.global_step == last + 2

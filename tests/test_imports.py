@@ -16,9 +16,9 @@ PACKAGES = ("interleave_data", "interleave_model")
 def _project_modules() -> dict[str, Path]:
     modules = {"cli": ROOT / "cli.py"}
     for package in PACKAGES:
-        for path in sorted((ROOT / package).glob("*.py")):
-            name = package if path.stem == "__init__" else f"{package}.{path.stem}"
-            modules[name] = path
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if path.stem == "__init__" else parts)] = path
     return modules
 
 
@@ -72,10 +72,31 @@ def _graph() -> dict[str, set[str]]:
 
 
 def test_the_graph_sees_every_form_of_import():
-    graph = _graph()
-    assert "interleave_model.grpo" in graph["interleave_model.module"]  # from interleave_model import grpo
-    assert "interleave_model.records" in graph["interleave_model.module"]  # from interleave_model.records import ...
+    graph, module = _graph(), "interleave_model.module"
+    assert "interleave_model.algorithm.grpo" in graph[module]  # from interleave_model.algorithm import grpo
+    assert "interleave_model.algorithm.records" in graph[module]  # from interleave_model.algorithm.records import ...
     assert "interleave_data.corpus" in graph["interleave_data.datamodule"]  # from .corpus import ... or absolute
+
+
+def test_the_graph_sees_the_subpackages():
+    graph = _graph()
+    assert "interleave_model.generation.sampler" in graph and "interleave_model.run.callbacks" in graph
+    assert "interleave_model.model.policy" in graph["interleave_model.generation.sampler"]
+
+
+def _room(module: str) -> str:
+    """The room a module stands in: its subpackage of interleave_model (`interleave_model.algorithm`), else itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "interleave_model" and len(parts) > 2 else module
+
+
+def test_no_import_cycle_between_rooms():
+    """The subpackages stand on floors: no room imports one that imports it back, through any files."""
+    rooms: dict[str, set[str]] = {}
+    for name, deps in _graph().items():
+        rooms.setdefault(_room(name), set()).update(_room(d) for d in deps if _room(d) != _room(name))
+    cycle = _cycle(rooms)
+    assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
 
 
 def test_no_import_cycle():

@@ -27,8 +27,8 @@ SCONTROL = '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\nkill -KILL $PPID\n'
 # the shipped configs' saving: a run folder, a periodic last.ckpt, atomic writes
 RUN_CONFIG = """
 trainer:
-  logger: {class_path: interleave_model.runs.RunLogger, init_args: {name: tiny}}
-  plugins: [interleave_model.checkpoint.AtomicCheckpointIO]
+  logger: {class_path: interleave_model.run.runs.RunLogger, init_args: {name: tiny}}
+  plugins: [interleave_model.model.checkpoint.AtomicCheckpointIO]
   callbacks:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 4}

@@ -18,7 +18,7 @@ from tests.conftest import TINY_CONFIG, flat_settings
 # threshold 0 and patience 1: the 4-word stage ends after its min_steps=2 GRPO batches (batches 2 and 3, after the
 # 2 warm-start batches), so the move is decided at the end of batch 3, the last one before the checkpoint at 4.
 CURRICULUM = [
-    "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback",
+    "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback",
     "--trainer.callbacks.export=false",
     "--data.curriculum.threshold=0.0",
     "--data.curriculum.patience=1",

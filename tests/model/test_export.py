@@ -8,9 +8,9 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_data.atomic import replacing_dir
-from interleave_model.export import BASE_MODEL_DIR, export, load_weights
-from interleave_model.logprobs import completion_logits, token_logprobs
-from interleave_model.policy import LoraSettings, PolicyError
+from interleave_model.algorithm.logprobs import completion_logits, token_logprobs
+from interleave_model.model.export import BASE_MODEL_DIR, export, load_weights
+from interleave_model.model.policy import LoraSettings, PolicyError
 
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interleave_model.grpo import (
+from interleave_model.algorithm.grpo import (
     group_advantages,
     kl_divergence,
     masked_mean,
@@ -14,7 +14,7 @@ from interleave_model.grpo import (
     sft_loss,
     zero_std_groups,
 )
-from interleave_model.logprobs import token_entropy, token_logprobs
+from interleave_model.algorithm.logprobs import token_entropy, token_logprobs
 
 LN2 = math.log(2)
 

@@ -4,9 +4,9 @@ import lightning as L
 import pytest
 import torch
 
-from interleave_model.checkpoint import BASE_OMITTED
-from interleave_model.export import export, load_weights
-from interleave_model.policy import LoraSettings, PolicyError
+from interleave_model.model.checkpoint import BASE_OMITTED
+from interleave_model.model.export import export, load_weights
+from interleave_model.model.policy import LoraSettings, PolicyError
 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from interleave_model import machine
-from interleave_model.machine import MachineError, engine_settings, settle
-from interleave_model.vllm_engine import VllmSettings
+from interleave_model.generation.vllm_engine import VllmSettings
+from interleave_model.runtime import machine
+from interleave_model.runtime.machine import MachineError, engine_settings, settle
 
 CPU = SimpleNamespace(device_type="cpu", is_sleep_mode_available=lambda: False, is_cuda_alike=lambda: False)
 CUDA = SimpleNamespace(device_type="cuda", is_sleep_mode_available=lambda: True, is_cuda_alike=lambda: True)

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from interleave_model.metric import AlignmentScore
+from interleave_model.evaluation.metric import AlignmentScore
 
 TARGET = "a1 b1 a2 b2 a3 b3 a4 b4"
 PREDS = [

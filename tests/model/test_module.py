@@ -11,10 +11,10 @@ from lightning.pytorch.loggers import Logger
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from interleave_model import grpo
-from interleave_model.logprobs import sft_inputs
-from interleave_model.policy import LoraSettings, as_reference
-from interleave_model.rewards import RewardFunction
+from interleave_model.algorithm import grpo
+from interleave_model.algorithm.logprobs import sft_inputs
+from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.model.policy import LoraSettings, as_reference
 from tests.model.test_rewards import Constant
 
 

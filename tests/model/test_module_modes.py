@@ -11,12 +11,12 @@ import lightning as L
 import pytest
 import torch
 
-import interleave_model.logprobs as logprobs_py
+import interleave_model.algorithm.logprobs as logprobs_py
+import interleave_model.generation.sampler as sampler_py
 import interleave_model.module as module_py
-import interleave_model.sampler as sampler_py
-from interleave_model import grpo
+from interleave_model.algorithm import grpo
+from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import LoraSettings, frozen_copy
 from interleave_model.settings import grouped_hparams
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from interleave_model.policy import (
+from interleave_model.model.policy import (
     PolicyError,
     TinyModelConfig,
     build_tiny_model,
@@ -101,7 +101,7 @@ def test_model_folder_without_tokenizer_is_one_clear_line(family_folders, tmp_pa
 def test_lora_on_the_top_layers_adapts_only_them_and_the_backward_stops_below(family_folders):
     from transformers import AutoModelForCausalLM
 
-    from interleave_model.policy import LoraSettings, PolicyError, apply_lora
+    from interleave_model.model.policy import LoraSettings, PolicyError, apply_lora
 
     base = AutoModelForCausalLM.from_pretrained(family_folders["llama3"])
     total = base.config.num_hidden_layers

@@ -11,9 +11,9 @@ import pytest
 
 from cli import main, run
 from interleave_data.pairs import interleave
+from interleave_model.model.policy import PolicyError
 from interleave_model.module import InterleaveGRPO
-from interleave_model.policy import PolicyError
-from interleave_model.preflight import preflight
+from interleave_model.preflight.checks import preflight
 from interleave_model.settings import Sampling
 from tests.conftest import TINY_CONFIG
 
@@ -105,7 +105,7 @@ def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, ma
 
 
 def test_preflight_finds_the_longest_example_in_tokens_not_in_characters(llama3_module, make_datamodule, monkeypatch):
-    monkeypatch.setattr("interleave_model.token_counts.CHUNK", 16)  # several batches of examples
+    monkeypatch.setattr("interleave_model.preflight.token_counts.CHUNK", 16)  # several batches of examples
     module = llama3_module
     dm = make_datamodule(module.tokenizer)
     pool = dm.examples(4, "train")

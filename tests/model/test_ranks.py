@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from interleave_model.ranks import mean_over_ranks
+from interleave_model.algorithm.ranks import mean_over_ranks
 
 
 def test_mean_over_ranks_takes_every_value_and_the_rank_count_in_one_reduction():

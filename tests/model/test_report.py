@@ -8,9 +8,9 @@ import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from interleave_model.evaluation import GREEDY_KEYS
-from interleave_model.report import build_report, compare, load_report, main, to_markdown, write_report
-from interleave_model.writers import EvaluationReport
+from interleave_model.evaluation.evaluator import GREEDY_KEYS
+from interleave_model.evaluation.report import build_report, compare, load_report, main, to_markdown, write_report
+from interleave_model.run.writers import EvaluationReport
 
 SAMPLED_KEYS = ("pass@1", "pass@2", "sample_score", "distinct", "self_similarity")
 

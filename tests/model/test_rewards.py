@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_model.rewards import AlignmentReward, FormatReward, RewardFunction, combine
+from interleave_model.algorithm.rewards import AlignmentReward, FormatReward, RewardFunction, combine
 
 
 class Constant(RewardFunction):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from interleave_data.prompts import format_prompt
-from interleave_model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
-from interleave_model.rollout import _mask_through_stop, completion_texts, rollout, sample, token_budget
+from interleave_model.generation.rollout import _mask_through_stop, completion_texts, rollout, sample, token_budget
+from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
 
 
 @pytest.fixture

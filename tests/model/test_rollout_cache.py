@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from interleave_model.rollout_cache import GroupLayer
+from interleave_model.generation.rollout_cache import GroupLayer
 
 
 def test_prefill_fills_every_group_row_and_decode_writes_in_place():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from jsonargparse import Namespace
 
-from interleave_model.runs import RunError, config_filename, place_run
+from interleave_model.run.runs import RunError, config_filename, place_run
 
 
 def _config(root: Path, logger, ckpt_path: str | None) -> Namespace:
@@ -29,7 +29,9 @@ def test_last_is_the_checkpoint_written_last_and_fit_continues_its_run(tmp_path)
     _checkpoint(runs / "version_0", mtime=2_000)  # continued by hand after version_1 was made
     _checkpoint(runs / "version_1", mtime=1_000)
     (runs / "version_2").mkdir()  # an evaluation run: no checkpoint
-    logger = Namespace(class_path="interleave_model.runs.RunLogger", init_args=Namespace(save_dir=None, name="demo"))
+    logger = Namespace(
+        class_path="interleave_model.run.runs.RunLogger", init_args=Namespace(save_dir=None, name="demo")
+    )
     config = _config(tmp_path, logger, "last")
 
     assert place_run(config, "fit") == runs / "version_0"

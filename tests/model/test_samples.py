@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_model.samples import departure, mark_first_departure, sample_markdown
+from interleave_model.run.samples import departure, mark_first_departure, sample_markdown
 
 PROMPT = "A: one *two*\n# B: three four\n\nInterleave:"  # markdown would read `*`, `#` and the blank line
 

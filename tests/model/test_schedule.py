@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from interleave_model.schedule import lr_factor, phase_learning_rate
+from interleave_model.algorithm.schedule import lr_factor, phase_learning_rate
 
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from interleave_model.threads import TorchThreads
+from interleave_model.runtime.threads import TorchThreads
 
 
 def test_setup_sets_the_thread_count():

@@ -10,9 +10,9 @@ from transformers import AutoTokenizer
 
 from interleave_data.cache import cache_root
 from interleave_data.pairs import interleave
-from interleave_model import token_counts
-from interleave_model.policy import prepare_tokenizer
-from interleave_model.token_counts import Longest, lengths, longest
+from interleave_model.model.policy import prepare_tokenizer
+from interleave_model.preflight import token_counts
+from interleave_model.preflight.token_counts import Longest, lengths, longest
 
 
 def _family(family_folders, name: str):

@@ -7,10 +7,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from interleave_model.logprobs import completion_logprobs  # noqa: E402
-from interleave_model.policy import LoraSettings, apply_lora, load_pretrained, stop_token_ids  # noqa: E402
-from interleave_model.rollout import rollout  # noqa: E402
-from interleave_model.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
+from interleave_model.algorithm.logprobs import completion_logprobs  # noqa: E402
+from interleave_model.generation.rollout import rollout  # noqa: E402
+from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
+from interleave_model.model.policy import LoraSettings, apply_lora, load_pretrained, stop_token_ids  # noqa: E402
 
 SETTINGS = VllmSettings(kv_cache_memory_bytes=32 << 20, max_model_len=512, enforce_eager=True)
 PROMPTS = ["Fragment A: the quick brown fox. Fragment B: over the lazy dog.", "A: jumps B: over"]

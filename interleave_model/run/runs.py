@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 RUNS_DIR = "lightning_logs"  # Lightning's own folder name under default_root_dir
 DEFAULT_LOGGER = "lightning.pytorch.loggers.TensorBoardLogger"  # what Lightning builds for `logger: true`
 TENSORBOARD_LOGGERS = (DEFAULT_LOGGER, "lightning.pytorch.loggers.tensorboard.TensorBoardLogger",
-                       "interleave_model.runs.RunLogger")  # fmt: skip
+                       "interleave_model.run.runs.RunLogger")  # fmt: skip
 LAST = "last.ckpt"
 REQUEUE = re.compile(r"hpc_ckpt_\d+\.ckpt")  # Lightning's name for the save it makes on SLURM's requeue signal
 

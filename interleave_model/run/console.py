@@ -20,10 +20,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_only
 from typing_extensions import override
 
-from interleave_model import runs
-from interleave_model.callbacks import CurriculumCallback
-from interleave_model.compat import CompatRichProgressBar
-from interleave_model.writers import EvaluationReport
+from interleave_model.run import runs
+from interleave_model.run.callbacks import CurriculumCallback
+from interleave_model.run.writers import EvaluationReport
+from interleave_model.runtime.compat import CompatRichProgressBar
 
 # Python warnings filtered in quiet mode (regular expressions matched against the start of the message).
 QUIET_WARNINGS = (

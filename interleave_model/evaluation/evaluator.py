@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from interleave_model.alignment import align, score, words
-from interleave_model.metric import AlignmentScore
+from interleave_model.evaluation.alignment import align, score, words
+from interleave_model.evaluation.metric import AlignmentScore
 
 GREEDY_KEYS = (
     "score",

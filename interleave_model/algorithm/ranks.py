@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from interleave_model import grpo
+from interleave_model.algorithm import grpo
 
 
 def batch_scaled_advantages(

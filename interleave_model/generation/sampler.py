@@ -6,16 +6,43 @@ need, so the two engines differ only in where the tokens come from.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from interleave_model.policy import TINY
-from interleave_model.rollout import Rollout, rollout, token_budget
-from interleave_model.settings import Sampling
-from interleave_model.vllm_engine import VllmEngine, VllmSettings, truncated_importance_weights
+from interleave_model.generation.rollout import Rollout, rollout, token_budget
+from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings
+from interleave_model.model.policy import TINY
+
+
+@dataclass
+class Sampling:
+    """How the training rollout samples (`model.sampling`).
+
+    Args:
+        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
+        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL). A curriculum's
+            "raise_temperature" response changes it during training.
+        top_p: Nucleus sampling mass.
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        budget_margin: Share of the longest target's token length added to the automatic budget.
+    """
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None
+    budget_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(
+                f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
+            )
 
 
 class Sampler:
@@ -96,12 +123,12 @@ class Sampler:
             return fixed
         return token_budget([longest], margin=self.sampling.budget_margin)
 
-    def importance_weights(self, roll: Rollout, old: Tensor, rows: slice) -> Tensor | None:
-        """The truncated importance weights of these rows when the engine sampled them and the correction is on."""
+    def importance_sampling_cap(self, roll: Rollout) -> float | None:
+        """The cap of the truncated importance weights when the engine sampled `roll` and the correction is on."""
         settings = self.engine.settings if self.engine is not None else None
         if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
             return None
-        return truncated_importance_weights(old, roll.logprobs[rows], settings.importance_sampling_cap)
+        return settings.importance_sampling_cap
 
     def weights_loaded(self) -> None:
         """The policy's weights were replaced (a checkpoint loaded): they reach the engine before its next rollout."""

@@ -19,7 +19,7 @@ import sys
 import torch
 from lightning.pytorch.utilities import rank_zero_only
 
-from interleave_model.compat import cpu_has_bf16
+from interleave_model.runtime.compat import cpu_has_bf16
 
 GPU_ACCELERATORS = ("gpu", "cuda")
 

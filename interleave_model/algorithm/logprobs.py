@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
-from interleave_model.rollout import position_ids
+from interleave_model.generation.rollout import position_ids
 
 # Elements of one fp32 [chunk, V] working tensor: 2**26 floats = 256 MiB, about 520 tokens of Llama-3's 128k vocab.
 _CHUNK_ELEMENTS = 2**26

@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 from transformers.utils import logging as hf_logging
 
-from interleave_model.machine import engine_settings
-from interleave_model.policy import is_peft
-from interleave_model.rollout import Rollout, completion_texts
+from interleave_model.generation.rollout import Rollout, completion_texts
+from interleave_model.model.policy import is_peft
+from interleave_model.runtime.machine import engine_settings
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
@@ -24,7 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Its start-up report (dozens of INFO and WARNING lines per engine, none for the user to act on) would bury the
 # training log: errors only, on stderr with the other libraries' messages. vLLM configures its logger from these two
 # variables as each engine starts; what it says before that (at import) passes the "vllm" logger's own level.
-# LOGLEVEL (interleave_model.console), or the variables, bring the rest back.
+# LOGLEVEL (interleave_model.run.console), or the variables, bring the rest back.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
@@ -58,16 +58,6 @@ class VllmSettings:
     max_lora_rank: int | None = None
     importance_sampling_correction: bool = False
     importance_sampling_cap: float = 2.0
-
-
-def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
-    """Per-token weights `min(exp(trainer - engine), cap)` correcting for sampling on another engine. [N, C] -> [N, C].
-
-    The tokens were drawn from the engine's distribution; the loss assumes the trainer's. The ratio reweights each
-    token to the trainer's policy, truncated so that a token the engine found far likelier cannot dominate (TIS).
-    No gradient flows through the weights.
-    """
-    return torch.exp(trainer_logprobs.detach() - engine_logprobs).clamp(max=cap)
 
 
 class VllmEngine:

@@ -12,11 +12,11 @@ from typing import NamedTuple
 
 from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
-from interleave_model import token_counts
-from interleave_model.alignment import align
-from interleave_model.policy import PolicyError
-from interleave_model.rollout import decode
-from interleave_model.token_counts import Longest
+from interleave_model.evaluation.alignment import align
+from interleave_model.generation.rollout import decode
+from interleave_model.model.policy import PolicyError
+from interleave_model.preflight import token_counts
+from interleave_model.preflight.token_counts import Longest
 
 
 class StageFit(NamedTuple):

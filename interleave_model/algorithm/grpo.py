@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple, get_args
 import torch
 from torch import Tensor
 
-from interleave_model.logprobs import token_logprobs
+from interleave_model.algorithm.logprobs import token_logprobs
 
 # The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
 KlEstimator = Literal["k1", "k2", "k3"]
@@ -304,3 +304,13 @@ def sft_loss(logits: Tensor, labels: Tensor, ignore_index: int = -100) -> Tensor
     keep = labels != ignore_index  # [N, L]
     logprobs = token_logprobs(logits, labels.masked_fill(~keep, 0))  # [N, L]
     return -masked_mean(logprobs, keep)
+
+
+def truncated_importance_weights(trainer_logprobs: Tensor, engine_logprobs: Tensor, cap: float) -> Tensor:
+    """Per-token weights `min(exp(trainer - engine), cap)` correcting for sampling on another engine. [N, C] -> [N, C].
+
+    The tokens were drawn from the engine's distribution; the loss assumes the trainer's. The ratio reweights each
+    token to the trainer's policy, truncated so that a token the engine found far likelier cannot dominate (TIS).
+    No gradient flows through the weights.
+    """
+    return torch.exp(trainer_logprobs.detach() - engine_logprobs).clamp(max=cap)

@@ -18,8 +18,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
 from interleave_data.datamodule import batches_run
-from interleave_model.alignment import align
-from interleave_model.runs import run_dir
+from interleave_model.evaluation.alignment import align
+from interleave_model.run.runs import run_dir
 
 MARK_OPEN, MARK_CLOSE = "⟦", "⟧"
 

@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from interleave_model.rollout_cache import rollout_cache
+from interleave_model.generation.rollout_cache import rollout_cache
 
 _BLOCK = 256  # tokens per block of the sampler's two-level CDF
 _CHECK_EVERY = 8  # decode steps between two looks at which rows have stopped

@@ -28,8 +28,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from interleave_data.atomic import replacing_dir
-from interleave_model.checkpoint import load_checkpoint_weights
-from interleave_model.policy import TINY, is_peft
+from interleave_model.model.checkpoint import load_checkpoint_weights
+from interleave_model.model.policy import TINY, is_peft
 
 BASE_MODEL_DIR = "base_model"
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from interleave_model.alignment import Alignment, align_batch
+from interleave_model.evaluation.alignment import Alignment, align_batch
 
 # Every state is a float64 sum (exact for integer counts up to 2**53), reduced across ranks by addition.
 _STATES = (
@@ -44,7 +44,7 @@ class AlignmentScore(Metric):
     a score of 0. `update` with empty lists adds nothing.
 
     Args:
-        normalize: Case-fold and strip punctuation before aligning (see `interleave_model.alignment.words`).
+        normalize: Case-fold and strip punctuation before aligning (see `interleave_model.evaluation.alignment.words`).
         kwargs: Passed to `torchmetrics.Metric` (e.g. ``sync_on_compute``).
     """
 

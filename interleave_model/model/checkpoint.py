@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from interleave_data.atomic import replacing
-from interleave_model.policy import PolicyError, base_from_disk, frozen_copy, is_peft
+from interleave_model.model.policy import PolicyError, base_from_disk, frozen_copy, is_peft
 
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only
 # what training changes (the adapter), not a copy of the base (6 GiB in bf16 for Llama-3.2-3B) at every save.
@@ -26,7 +26,7 @@ BASE_OMITTED = "base_weights_omitted"
 class AtomicCheckpointIO(TorchCheckpointIO):
     """`TorchCheckpointIO` that writes `.<name>.tmp` in the target folder, fsyncs it, then renames it over the target.
 
-    Use it in a config as `trainer.plugins: [{class_path: interleave_model.checkpoint.AtomicCheckpointIO}]`.
+    Use it in a config as `trainer.plugins: [{class_path: interleave_model.model.checkpoint.AtomicCheckpointIO}]`.
     Remote paths (`s3://`, ...) keep Lightning's own write.
     """
 

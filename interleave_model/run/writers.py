@@ -18,8 +18,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_debug
 from typing_extensions import override
 
 from interleave_data.atomic import replacing
-from interleave_model.report import build_report, curve_figure, save_figure, write_report
-from interleave_model.runs import run_dir
+from interleave_model.evaluation.report import build_report, curve_figure, save_figure, write_report
+from interleave_model.run.runs import run_dir
 
 
 class EvaluationReport(Callback):

@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from interleave_model import grpo
-from interleave_model.records import Trajectory
-from interleave_model.rollout import Rollout
+from interleave_model.algorithm import grpo
+from interleave_model.algorithm.records import Trajectory
+from interleave_model.generation.rollout import Rollout
 
 
 @dataclass

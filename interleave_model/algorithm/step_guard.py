@@ -16,6 +16,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from lightning.pytorch.strategies import FSDPStrategy, Strategy
+
+
+def check_clipping(strategy: Strategy, max_norm: float) -> None:
+    """Refuse clipping by norm under FSDP: the guard takes the norm of the gradients a rank holds, which FSDP shards
+    (and Lightning's FSDP precision refuses clipping by norm too)."""
+    if max_norm and isinstance(strategy, FSDPStrategy):
+        raise ValueError("model.optimization.max_grad_norm: clipping needs whole gradients on each rank, and FSDP "
+                         "shards them; set it to 0")  # fmt: skip
 
 
 class StepGuard:

@@ -1,0 +1,53 @@
+"""Validation, test and predict: greedy (and sampled) answers, scored per length and logged as one table.
+
+`EvaluationSteps` is a base of the LightningModule (`InterleaveGRPO`), which supplies what it reads: `evaluator`
+(`evaluator.Evaluator`), `_rollout` (answers from the configured engine) and `_sum_over_ranks`. Kept apart so that
+module.py reads as the training algorithm.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from interleave_model.evaluation.evaluator import logged_values, prediction_records
+
+
+class EvaluationSteps:
+    """Lightning's evaluation hooks of `InterleaveGRPO`."""
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
+        return prediction_records(batch, *self._answers(batch, batch_idx))
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_metrics("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_metrics("test")
+
+    def greedy(self, batch: dict) -> list[str]:
+        """Greedy answers, one per prompt."""
+        return self._rollout(batch, num_generations=1, temperature=0.0).texts
+
+    def _answers(self, batch: dict, batch_idx: int) -> tuple[list[str], list[list[str]] | None]:
+        """Greedy answers and, with `evaluation.num_samples`, sampled ones (`Evaluator.answers`)."""
+
+        def sample(batch: dict, n: int, temperature: float, generator: torch.Generator | None) -> list[str]:
+            return self._rollout(batch, n, temperature, generator).texts
+
+        return self.evaluator.answers(batch, batch_idx, self.global_rank, self.device, sample)
+
+    def _log_metrics(self, prefix: str) -> None:
+        """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
+        rows = self.evaluator.table(self._sum_over_ranks)
+        for name, value in logged_values(rows, prefix).items():
+            # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
+            self.log(name, value, batch_size=1, sync_dist=True)
+        self._log_step()
+        self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}

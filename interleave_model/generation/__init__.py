@@ -1,0 +1,1 @@
+"""G completions per prompt, from the own sampler or a colocated vLLM engine."""

@@ -1,0 +1,1 @@
+"""Build the policy (the tiny Llama or a model folder, LoRA, the reference), save its run state, export it."""

@@ -1,0 +1,1 @@
+"""What the Trainer is handed: run folders, callbacks, sample dumps, checkpoint writers, the console."""

@@ -1,0 +1,1 @@
+"""What this machine and these library versions allow: bf16, engines, threads, version shims."""
