@@ -5,7 +5,8 @@ traceback.
 The commands are read from README.md and configs/*.yaml, so one added there runs here too. They run as a user runs
 them, one after the other in one folder (later ones read the runs the earlier ones wrote), with the Llama-3-style
 fixture (tests/families.py) for any model folder and `last` for a checkpoint left as `...`. Generic settings appended
-to each (steps, pairs, batch sizes, the lengths evaluated) keep them to seconds, whatever the configs set.
+to each (steps, pairs, batch sizes, the lengths evaluated) keep them to seconds, whatever the configs set;
+a setting the command names itself is left as it is.
 """
 
 from __future__ import annotations
@@ -47,15 +48,18 @@ def documented_commands() -> list[str]:
 
 
 def runnable(command: str, model_folder: Path, cache_dir: Path) -> list[str]:
-    """The command as it runs here: this interpreter, the fixture for any model folder, short-run settings."""
+    """The command as it runs here: this interpreter, the fixture for any model folder, short-run settings for what the
+    command leaves to its config."""
     argv = shlex.split(command.replace(MODEL, str(model_folder)).replace("--ckpt_path ...", "--ckpt_path last"))
     assert argv[0] == "python", command
     argv[0] = sys.executable
+    short = []
     if argv[1] == "cli.py":
-        argv += [*CLI_SHORT, f"--data.cache_dir={cache_dir}"]
+        short = [*CLI_SHORT, f"--data.cache_dir={cache_dir}"]
     elif argv[1:4] == ["-m", "interleave_data", "generate"]:
-        argv += GENERATE_SHORT
-    return argv
+        short = GENERATE_SHORT
+    named = {arg.split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    return argv + [setting for setting in short if setting.split("=", 1)[0] not in named]
 
 
 @pytest.fixture(scope="module")
