@@ -6,8 +6,7 @@ import math
 
 import torch
 
-from interleave_model.algorithm.grpo import policy_loss
-from interleave_model.algorithm.grpo import truncated_importance_weights
+from interleave_model.algorithm.grpo import policy_loss, truncated_importance_weights
 
 
 def test_weights_are_the_trainer_over_engine_ratio_capped():
