@@ -127,6 +127,13 @@ def test_a_command_shown_twice_is_documented_alike():
     assert len(set(documented())) == len(documented_commands()), sorted(set(documented()))
 
 
+def test_a_start_from_a_stage_export_skips_the_warm_start():
+    """A fit from `<run>/stages/<N>words` starts from trained weights: without `--data.sft_steps 0` it would
+    warm-start again from the first stage, which is not what such a command is shown for."""
+    starts = [c for c in documented_commands() if re.search(r"--model\.init_from \S*/stages/", c)]
+    assert starts and all("--data.sft_steps 0" in c for c in starts), starts
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("command", documented_commands(), ids=lambda command: command.removeprefix("python "))
 def test_a_documented_command_does_its_job(command, outcomes):
