@@ -8,6 +8,7 @@ import os
 import shlex
 import sys
 
+import torch
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -174,6 +175,11 @@ def run(args: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        # Lightning leaves a DDP run's process group up; torn down by the interpreter's exit instead, gloo's threads
+        # can abort the process ("terminate called without an active exception", exit -6) after a finished fit
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     return 0
 
 
