@@ -99,7 +99,7 @@ def load_cache(path: Path) -> dict[tuple[int, str], list[Example]]:
 
 @contextmanager
 def _progress_bars() -> Iterator[None]:
-    """Hide `datasets`' progress bars unless this module logs at INFO (`LOGLEVEL=INFO`, interleave_model/run/console.py).
+    """Hide `datasets`' progress bars unless this module logs at INFO (`LOGLEVEL=INFO`, run/console.py).
 
     A build takes about a second; its bars would otherwise fill the console of every run.
     """
