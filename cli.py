@@ -177,8 +177,10 @@ def run(args: list[str] | None = None) -> int:
         return 2
     finally:
         # Lightning leaves a DDP run's process group up; torn down by the interpreter's exit instead, gloo's threads
-        # can abort the process ("terminate called without an active exception", exit -6) after a finished fit
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # can abort the process ("terminate called without an active exception", exit -6) after a finished fit. A
+        # group of one is vLLM's, in this process, and stays with its engine.
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_world_size() > 1:
             torch.distributed.destroy_process_group()
     return 0
 
