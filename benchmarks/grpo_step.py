@@ -145,6 +145,7 @@ def random_model_folder(name: str, folder: str, template: str) -> str:
 def build(args: argparse.Namespace, words: int, cache_dir: str):
     """The module (tiny Llama or a local model folder) and a one-stage datamodule, as the demo config builds them."""
     from interleave_data.datamodule import InterleaveDataModule
+    from interleave_model.generation.vllm_engine import VllmSettings
     from interleave_model.model.policy import LoraSettings, TinyModelConfig
     from interleave_model.module import InterleaveGRPO
     from interleave_model.settings import Loss, Optimization, Sampling
@@ -158,6 +159,8 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
         dtype=args.dtype,
         lora=LoraSettings(r=args.lora_r) if args.lora else None,
         gradient_checkpointing=args.gradient_checkpointing,
+        rollout_engine=args.rollout_engine,
+        vllm=VllmSettings(kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 2**20),
         sampling=Sampling(num_generations=args.generations, max_new_tokens=args.max_new_tokens),
         loss=Loss(beta=args.beta),
         optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
@@ -225,6 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 skips the reference forward")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the automatic budget, as training")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
+    parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="model.rollout_engine")
+    parser.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM's KV cache (MiB); default: its share")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="precision bf16-mixed (GPU)")
     parser.add_argument("--accelerator", default="cpu", help='"cpu" or "gpu"')

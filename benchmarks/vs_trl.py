@@ -79,6 +79,10 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
     if framework == "ours":
         extra = ["--template", args.template, "--pairs", str(args.pairs), "--dtype", "float32"]
         extra += ["--lora"] if args.lora_r else []
+        extra += ["--rollout-engine", args.rollout_engine]
+        if args.rollout_engine == "vllm":
+            extra += ["--kv-cache-mb", str(args.kv_cache_mb)]
+        extra += ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
         return [sys.executable, str(HERE / "grpo_step.py"), *shared, *extra]
     return [sys.executable, str(HERE / "vs_trl.py"), "--trl-worker", str(workdir / f"prompts_{words}.jsonl"), *shared]
 
@@ -193,6 +197,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank in both (all linear layers); 0: all weights")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget; default: budget(words)")
     parser.add_argument("--pairs", type=int, default=64, help="training pairs per length")
+    parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="ours: model.rollout_engine")
+    parser.add_argument("--kv-cache-mb", type=int, default=1024, help="ours with vLLM: its KV cache, MiB")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="ours: rows per update forward")
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
@@ -267,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts,
         "generations": args.generations,
         "beta": args.beta,
+        "ours": {"rollout_engine": args.rollout_engine, "micro_batch_size": args.micro_batch_size}
+        | ({"kv_cache_mb": args.kv_cache_mb} if args.rollout_engine == "vllm" else {}),
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,

@@ -16,7 +16,7 @@ from transformers.utils import logging as hf_logging
 
 from interleave_model.generation.rollout import Rollout, completion_texts
 from interleave_model.model.policy import is_peft
-from interleave_model.runtime.machine import engine_settings
+from interleave_model.runtime.machine import cpu_memory, engine_settings
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
@@ -101,7 +101,10 @@ class VllmEngine:
         self.version: object = None
         base = policy.get_base_model() if self.lora else policy
         # options this machine or this model cannot honour are turned off, each with a warning line
-        settings = engine_settings(settings, current_platform, getattr(base.config, "max_position_embeddings", None))
+        positions = getattr(base.config, "max_position_embeddings", None)
+        settings = engine_settings(
+            settings, current_platform, positions, cpu_memory() if current_platform.is_cpu() else None
+        )
         if model_path is None:
             model_path = str(self._workdir / "model")
             base.save_pretrained(model_path)

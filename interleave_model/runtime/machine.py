@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import sys
 
 import torch
@@ -101,12 +102,15 @@ def engine_problem(config) -> str | None:
     return f"vLLM's CPU attention runs heads of {sizes} dimensions, and this model's have {size}"
 
 
-def engine_settings(settings, platform, max_positions: int | None):
+def engine_settings(settings, platform, max_positions: int | None, memory: tuple[int, int] | None = None):
     """The vLLM settings the engine can honour on `platform` (vLLM's `current_platform`) for a model of
-    `max_positions` positions (None: no limit known); each option it changes or vLLM cannot serve is one warning line.
+    `max_positions` positions (None: no limit known) on a CPU whose memory node holds `memory` = (total, free) bytes
+    (`cpu_memory`; None on a GPU); each option it changes or vLLM cannot serve is one warning line.
 
     Sleep mode is off where the platform has none (a CPU), which vLLM would refuse, and `max_model_len` is cut to the
-    model's positions, which vLLM would refuse too. CUDA graphs (`enforce_eager: false`) vLLM leaves out itself where
+    model's positions, which vLLM would refuse too. On a CPU, vLLM reads `gpu_memory_utilization` as a share of the
+    machine's memory and refuses to start when that share is more than is free (beside a trainer, or other runs):
+    the KV cache then takes half of what is free. CUDA graphs (`enforce_eager: false`) vLLM leaves out itself where
     there is no CUDA: that is said, and the option stays, since it also keeps vLLM's torch.compile, which decodes
     faster on a CPU too.
     """
@@ -121,4 +125,24 @@ def engine_settings(settings, platform, max_positions: int | None):
         warn(f"model.vllm.max_model_len: {settings.max_model_len} is more than the model's {max_positions} "
              f"positions; the engine uses {max_positions}")  # fmt: skip
         changes["max_model_len"] = max_positions
+    if memory is not None and settings.kv_cache_memory_bytes is None:
+        total, free = memory
+        share = settings.gpu_memory_utilization
+        if math.ceil(total * share) > free:
+            changes["kv_cache_memory_bytes"] = free // 2
+            warn(f"model.vllm.gpu_memory_utilization: {share} of this machine's memory ({_gib(total * share)} GiB) "
+                 f"is more than the {_gib(free)} GiB free, so the engine's KV cache takes {_gib(free // 2)} GiB; "
+                 "set model.vllm.kv_cache_memory_bytes to choose")  # fmt: skip
     return dataclasses.replace(settings, **changes)
+
+
+def cpu_memory() -> tuple[int, int]:
+    """Total and free bytes of the memory node vLLM's CPU engine allocates from, as vLLM reads them."""
+    from vllm.utils.cpu_resource_utils import get_memory_node_info
+
+    node = get_memory_node_info(0)
+    return node.total_memory, node.available_memory
+
+
+def _gib(size: float) -> str:
+    return f"{size / 2**30:.1f}"

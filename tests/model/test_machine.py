@@ -89,3 +89,30 @@ def test_on_a_gpu_the_engine_keeps_every_option(capsys):
     assert engine_settings(GPU_SETTINGS, CUDA, max_positions=131072) == GPU_SETTINGS
     assert engine_settings(GPU_SETTINGS, CUDA, max_positions=None) == GPU_SETTINGS
     assert not _warnings(capsys)
+
+
+GIB = 2**30
+
+
+def test_on_a_cpu_a_memory_share_more_than_is_free_gives_the_kv_cache_half_of_what_is_free(capsys):
+    # vLLM's CPU worker refuses to start when gpu_memory_utilization x the machine's memory is more than is free
+    settings = engine_settings(
+        VllmSettings(gpu_memory_utilization=0.3, enforce_eager=True), CPU, None, memory=(20 * GIB, 5 * GIB)
+    )
+    assert settings.kv_cache_memory_bytes == 5 * GIB // 2
+    (line,) = _warnings(capsys)
+    assert line.startswith("warning: model.vllm.gpu_memory_utilization: 0.3") and "kv_cache_memory_bytes" in line
+
+
+def test_on_a_cpu_a_memory_share_that_fits_or_an_exact_kv_cache_is_kept(capsys):
+    fits = VllmSettings(gpu_memory_utilization=0.2, enforce_eager=True)
+    assert engine_settings(fits, CPU, None, memory=(20 * GIB, 5 * GIB)) == fits
+    exact = VllmSettings(gpu_memory_utilization=0.9, kv_cache_memory_bytes=GIB, enforce_eager=True)
+    assert engine_settings(exact, CPU, None, memory=(20 * GIB, 5 * GIB)) == exact
+    assert not _warnings(capsys)
+
+
+def test_cpu_memory_reads_a_total_and_a_free_size_of_this_machine():
+    pytest.importorskip("vllm")
+    total, free = machine.cpu_memory()
+    assert 0 < free <= total
