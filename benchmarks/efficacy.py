@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -105,6 +106,7 @@ class Clock(L.Callback):
         scores = {n: round(float(trainer.callback_metrics[f"val/alignment_{n}w"]), 3) for n in self.lengths}
         seconds = round(self.training_seconds(), 1)
         self.curve.append({"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}})
+        print(f"held-out {scores} at step {trainer.global_step}, {seconds} s", file=sys.stderr, flush=True)
 
 
 def _trainer(args, max_steps: int, callbacks, validate_every: int | None) -> L.Trainer:
