@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,11 +20,28 @@ TINY_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny models run faster on one thread, and many times faster on a CPU shared with other jobs."""
-    threads = torch.get_num_threads()
+    """Tiny models run faster on one thread, and many times faster on a CPU shared with other jobs.
+
+    vLLM's CPU worker replaces `torch.set_num_threads` with a warning for the rest of the process once an engine binds
+    its threads: the function is put back after each test, so no later test inherits an engine's state."""
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
     torch.set_num_threads(1)
     yield
+    torch.set_num_threads = set_num_threads
     torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """With `-n` (pytest-xdist, `--dist loadgroup`), a test file goes to one worker whole, as its module-scoped
+    fixtures expect, unless its tests name finer groups (`xdist_group`). Groups start in order of how many end-to-end
+    runs (`slow`) they hold, most first, so the longest work does not start last."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    group = {id(item): item.get_closest_marker("xdist_group").args[0] for item in items}
+    slow = Counter(group[id(item)] for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[group[id(item)]])
 
 
 @pytest.fixture

@@ -61,6 +61,7 @@ def fitted(tmp_path_factory, folder):
     return cli, root, checkpoint
 
 
+@pytest.mark.slow
 def test_fit_rolls_out_on_the_engine_and_logs_its_logprob_gap(fitted):
     cli, _, _ = fitted
     assert cli.trainer.global_step == 4
@@ -76,6 +77,7 @@ def _completions(root: Path, folder: Path, *extra: str) -> list[str]:
     return [json.loads(line)["completion"] for line in lines]
 
 
+@pytest.mark.slow
 def test_predict_and_validate_on_the_engine_equal_the_own_sampler(fitted, folder):
     """The checkpoint's weights reach the engine: its greedy answers are the own sampler's, not the folder's."""
     _, root, checkpoint = fitted
@@ -178,6 +180,7 @@ def _vllm_levels(text: str) -> list[str]:
     return [m.group(1) for m in map(re.compile(r"^\(\w+ pid=\d+\) ([A-Z]+) ").match, text.splitlines()) if m]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's start-up messages")
 def test_the_engine_says_only_its_errors_unless_loglevel(family_folders, tmp_path):
     """A check answered by vLLM prints the report and the project's warning lines, none of vLLM's messages, warnings

@@ -60,6 +60,7 @@ def _callbacks(tmp_path: Path) -> list[dict]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
     extra = tmp_path / "ddp.yaml"
@@ -199,6 +200,7 @@ def one_and_two(tmp_path_factory):
     return one, whole, logged_one, weights, *_recorded(tmp_path / "two")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_two_ranks_normalise_and_scale_as_one_process_over_the_whole_batch(one_and_two):
     before = [p.detach().clone() for p in ScriptedGRPO(tiny=TinyModelConfig(**TINY_SHAPE)).policy.parameters()]

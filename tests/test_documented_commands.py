@@ -16,6 +16,7 @@ runs never reach (`STAND_INS`) is made just before it, the way the project makes
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Everyday commands", "Your own model")
@@ -89,32 +91,73 @@ def runnable(command: str, model_folder: Path, cache_dir: Path) -> list[str]:
     return argv + [setting for setting in short if setting.split("=", 1)[0] not in named]
 
 
+def runs_named(command: str) -> set[str]:
+    """The runs a command writes or reads: its config's logger name, and every `lightning_logs/<name>` it names."""
+    names = set(re.findall(r"lightning_logs/([\w.-]+)", command))
+    for config in re.findall(r"--config (\S+\.yaml)", command):
+        logger = (yaml.safe_load((ROOT / config).read_text()).get("trainer") or {}).get("logger") or {}
+        names.add((logger.get("init_args") or {}).get("name") or "")
+    return names
+
+
+@functools.cache
+def chains() -> dict[str, str]:
+    """Each documented command's chain, named for its runs: commands that write or read a common run are one chain,
+    run in order in one folder. Chains share nothing, so each runs in a folder of its own, on whichever test worker
+    takes it (`xdist_group`)."""
+    groups: list[tuple[set[str], list[str]]] = []  # (run names, commands)
+    for command in documented_commands():
+        names = runs_named(command)
+        joined = [group for group in groups if group[0] & names]
+        merged = names.union(*(names for names, _ in joined)), [c for _, cs in joined for c in cs] + [command]
+        groups = [group for group in groups if group not in joined] + [merged]
+    return {c: "+".join(sorted(names)) or f"alone-{i}" for i, (names, cs) in enumerate(groups) for c in cs}
+
+
+class Outcomes:
+    """Each command's finished process; a command's whole chain runs, in documented order, when the first of its
+    commands is asked for."""
+
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root, self.model, self.done = root, model, {}
+        # vLLM on a CPU takes the config's gpu_memory_utilization as a share of this machine's memory (7 GiB here for
+        # the 3B config); 1 GiB of KV cache holds the fixture's answers
+        self.env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+
+    def __getitem__(self, command: str) -> subprocess.CompletedProcess:
+        if command not in self.done:
+            self.run_chain(chains()[command])
+        return self.done[command]
+
+    def run_chain(self, chain: str) -> None:
+        folder = self.root / chain
+        folder.mkdir()
+        for name in ("cli.py", "configs"):
+            (folder / name).symlink_to(ROOT / name)
+        for command, refusal in documented_commands().items():
+            if chains()[command] != chain or (refusal and torch.cuda.is_available()):
+                continue
+            for path, stand_in in STAND_INS.items():
+                if path in command and not (folder / path).exists():
+                    made = self.run(stand_in, folder)
+                    assert made.returncode == 0, f"{stand_in}\n{made.stderr[-3000:]}"
+            self.done[command] = self.run(command, folder)
+
+    def run(self, command: str, folder: Path) -> subprocess.CompletedProcess:
+        argv = runnable(command, self.model, folder / "cache")
+        return subprocess.run(argv, cwd=folder, env=self.env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, family_folders) -> dict[str, subprocess.CompletedProcess]:
-    """Each command run once, in order, in a folder holding `cli.py` and `configs/` as a checkout does."""
-    folder = tmp_path_factory.mktemp("readme")
-    for name in ("cli.py", "configs"):
-        (folder / name).symlink_to(ROOT / name)
+def outcomes(tmp_path_factory, family_folders) -> Outcomes:
+    """The documented commands' outcomes, each chain run in a folder holding `cli.py` and `configs/` as a checkout
+    does."""
     # configs/eval.yaml evaluates up to 500 words, 6,122 tokens with the fixture's small BPE: more than the family
     # fixture's 2,048 positions, well within those of the Llama-3.2 a user names
     model = shutil.copytree(family_folders["llama3"], tmp_path_factory.mktemp("llama-3.2") / "model")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": LLAMA_3_2_POSITIONS}))
-    # vLLM on a CPU takes the config's gpu_memory_utilization as a share of this machine's memory (7 GiB here for the
-    # 3B config); 1 GiB of KV cache holds the fixture's answers
-    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = {}
-    for command, refusal in documented_commands().items():
-        if refusal and torch.cuda.is_available():
-            continue
-        for path, stand_in in STAND_INS.items():
-            if path in command and not (folder / path).exists():
-                made = subprocess.run(runnable(stand_in, model, folder / "cache"), cwd=folder, env=env,
-                                      capture_output=True, text=True, timeout=600)  # fmt: skip
-                assert made.returncode == 0, f"{stand_in}\n{made.stderr[-3000:]}"
-        argv = runnable(command, model, folder / "cache")
-        done[command] = subprocess.run(argv, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-    return done
+    return Outcomes(tmp_path_factory.mktemp("readme"), model)
 
 
 def test_the_commands_are_found():
@@ -134,8 +177,29 @@ def test_a_start_from_a_stage_export_skips_the_warm_start():
     assert starts and all("--data.sft_steps 0" in c for c in starts), starts
 
 
+def test_commands_that_share_a_run_run_in_one_chain():
+    """Chains split the commands across test workers; a command that reads a run another writes must share its chain
+    (and so its folder), or it would find nothing."""
+    chain = chains()
+    for command in documented_commands():
+        for other in documented_commands():
+            if runs_named(command) & runs_named(other):
+                assert chain[command] == chain[other], (command, other)
+    assert (
+        chain["python cli.py fit --config configs/demo.yaml"]
+        == chain[
+            "python -m interleave_model.evaluation.report lightning_logs/eval/version_0 lightning_logs/eval/version_1"
+        ]
+    )
+    assert len(set(chain.values())) >= 4, chain
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("command", documented_commands(), ids=lambda command: command.removeprefix("python "))
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=pytest.mark.xdist_group(f"documented-{chains()[c]}")) for c in documented_commands()],
+    ids=lambda c: c.removeprefix("python "),
+)
 def test_a_documented_command_does_its_job(command, outcomes):
     refusal = documented_commands()[command]
     if refusal and torch.cuda.is_available():

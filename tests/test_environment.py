@@ -20,6 +20,7 @@ LIBRARIES = ("import lightning; from transformers import LlamaConfig; import pef
 LEFT_OUT = {"torch", "torchvision", "torchaudio", "torchcodec"}
 
 
+@pytest.mark.slow
 def test_a_fresh_interpreter_that_never_imports_the_project_loads_the_libraries(tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     done = subprocess.run([sys.executable, "-c", LIBRARIES], cwd=tmp_path, env=env, capture_output=True, text=True)

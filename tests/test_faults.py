@@ -44,6 +44,7 @@ KILLED_WRITER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_killed_mid_write_leaves_the_previous_checkpoint_whole(tmp_path):
     path = tmp_path / "last.ckpt"
 
@@ -74,6 +75,7 @@ def test_a_failed_write_keeps_the_old_file_and_no_temporary(tmp_path, monkeypatc
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ckpt"]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_sigkill_during_training_resumes_from_the_last_complete_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"

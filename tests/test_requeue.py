@@ -50,6 +50,7 @@ class Signal(L.Callback):
             os.kill(os.getpid(), signal.SIGUSR1)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_sigusr1_then_ckpt_path_last_resumes_from_the_requeue_save(tmp_path, monkeypatch):
     bin_dir, config = tmp_path / "bin", tmp_path / "run.yaml"

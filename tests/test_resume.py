@@ -87,6 +87,7 @@ def _assert_same(a, b, where="checkpoint"):
 LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5", "--model.disable_dropout=false"]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("extra", [[], LORA_DROPOUT], ids=["full", "lora_dropout"])
 def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path, extra):

@@ -97,6 +97,7 @@ def _rank_values(rank: int, port: int, out_dir: Path) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_processes_sum_to_one(tmp_path):
     single = AlignmentScore()
     single.update(PREDS, TARGETS)
