@@ -25,6 +25,7 @@ Measured on the 2-core machine: docs/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -142,13 +143,25 @@ def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **ov
     return InterleaveDataModule(**(kwargs | overrides))
 
 
+# the settings a warm start's weights depend on besides model, seed, length, cap and threshold
+WARM_SETTINGS = ("lora_r", "lora_top_layers", "template", "sft_learning_rate", "sft_batch_size", "warmup_steps",
+                 "train_pairs", "val_pairs", "eval_every")  # fmt: skip
+
+
+def warm_name(args, seed: int, length: int, sft_stages: list[int] | None, steps: int, until: float | None) -> str:
+    """The file a warm start is kept in: one built with other LoRA, data or supervised settings is never reused."""
+    shaping = {name: getattr(args, name) for name in WARM_SETTINGS} | {"sft_stages": sft_stages}
+    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:8]
+    return f"warm-{Path(args.model).name}-{seed}-{length}-{steps}-{until}-{digest}.ckpt"
+
+
 def warm_start(
     args, seed: int, stages: list[int], sft_stages: list[int] | None, steps: int, until: float | None, folder: Path
 ) -> tuple[Path, dict]:
     """Supervised steps (at most `steps`) until the held-out score at `stages[0]` reaches `until`; the weights.
 
-    Kept in `folder` by model, seed, length, cap and threshold: a second process (`--warm-dir`) reuses it."""
-    path = folder / f"warm-{Path(args.model).name}-{seed}-{stages[0]}-{steps}-{until}.ckpt"
+    Kept in `folder` under `warm_name`: a second process (`--warm-dir`) reuses it."""
+    path = folder / warm_name(args, seed, stages[0], sft_stages, steps, until)
     if path.exists():
         return path, json.loads(path.with_suffix(".json").read_text())
     L.seed_everything(seed, verbose=False)
