@@ -91,13 +91,14 @@ def runnable(command: str, model_folder: Path, cache_dir: Path) -> list[str]:
     return argv + [setting for setting in short if setting.split("=", 1)[0] not in named]
 
 
-def runs_named(command: str) -> set[str]:
+@functools.cache
+def runs_named(command: str) -> frozenset[str]:
     """The runs a command writes or reads: its config's logger name, and every `lightning_logs/<name>` it names."""
     names = set(re.findall(r"lightning_logs/([\w.-]+)", command))
     for config in re.findall(r"--config (\S+\.yaml)", command):
         logger = (yaml.safe_load((ROOT / config).read_text()).get("trainer") or {}).get("logger") or {}
         names.add((logger.get("init_args") or {}).get("name") or "")
-    return names
+    return frozenset(names)
 
 
 @functools.cache
@@ -105,7 +106,7 @@ def chains() -> dict[str, str]:
     """Each documented command's chain, named for its runs: commands that write or read a common run are one chain,
     run in order in one folder. Chains share nothing, so each runs in a folder of its own, on whichever test worker
     takes it (`xdist_group`)."""
-    groups: list[tuple[set[str], list[str]]] = []  # (run names, commands)
+    groups: list[tuple[frozenset[str], list[str]]] = []  # (run names, commands)
     for command in documented_commands():
         names = runs_named(command)
         joined = [group for group in groups if group[0] & names]
