@@ -16,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 TINY_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+SET_NUM_THREADS = torch.set_num_threads  # torch's own, taken before any engine can replace it
 
 
 @pytest.fixture(autouse=True)
@@ -23,11 +24,13 @@ def one_thread():
     """Tiny models run faster on one thread, and many times faster on a CPU shared with other jobs.
 
     vLLM's CPU worker replaces `torch.set_num_threads` with a warning for the rest of the process once an engine binds
-    its threads: the function is put back after each test, so no later test inherits an engine's state."""
-    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    its threads, also from a module-scoped fixture set up before this one: torch's own function, taken at import, is
+    put back before and after each test, so no test inherits an engine's state."""
+    torch.set_num_threads = SET_NUM_THREADS
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
-    torch.set_num_threads = set_num_threads
+    torch.set_num_threads = SET_NUM_THREADS
     torch.set_num_threads(threads)
 
 
