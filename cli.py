@@ -20,6 +20,7 @@ from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import report
 from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
+from interleave_model.run.interrupt import StopOnSignal
 from interleave_model.run.runs import RunError, config_filename, place_run, requeue_save_path
 from interleave_model.run.writers import EvaluationReport, PredictionWriter
 from interleave_model.runtime.compat import CompatCLI
@@ -115,13 +116,14 @@ class InterleaveCLI(CompatCLI):
         return hparams
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
-        """The step progress bar unless the config turns bars off or names its own; always the console summary, last."""
+        """The step progress bar unless the config turns bars off or names its own; always a save and a non-zero exit
+        status on SIGTERM or Ctrl-C (`StopOnSignal`), and the console summary, last."""
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         bar_wanted = config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
         if bar_wanted and not any(isinstance(c, ProgressBar) for c in given + callbacks):
             callbacks = [*callbacks, StepProgressBar()]
-        return [*callbacks, ConsoleSummary()]
+        return [*callbacks, StopOnSignal(), ConsoleSummary()]
 
     def subcommand_defaults(self, subcommand: str) -> dict:
         """`validate` and `test` default to `verbose: false`: the console summary replaces Lightning's metric table."""

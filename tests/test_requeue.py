@@ -36,10 +36,11 @@ trainer:
 
 
 class Signal(L.Callback):
-    """Sends this process SIGUSR1 as the step after `at` begins (SLURM's warning, mid-step); notes the first step."""
+    """Sends this process `signum` (SLURM's warning SIGUSR1 by default) as the step after `at` begins, mid-step; notes
+    the first step a run makes."""
 
-    def __init__(self, at: int | None = None):
-        self.at = at
+    def __init__(self, at: int | None = None, signum: int = int(signal.SIGUSR1)):
+        self.at, self.signum = at, signum
         self.first_step = None
 
     def on_train_start(self, trainer, pl_module):
@@ -47,7 +48,7 @@ class Signal(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if trainer.global_step == self.at:
-            os.kill(os.getpid(), signal.SIGUSR1)
+            os.kill(os.getpid(), self.signum)
 
 
 @pytest.mark.slow
