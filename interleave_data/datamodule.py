@@ -261,8 +261,17 @@ class InterleaveDataModule(LightningDataModule):
         return [self._eval_loader(self.examples(n, "test")) for n in self.eval_lengths] if self.test_pairs else []
 
     def predict_dataloader(self) -> DataLoader:
-        lengths = self.stages if self.predict_split == "train" else self.eval_lengths
+        lengths = self.lengths_served("predict")
         return self._eval_loader([e for n in lengths for e in self.examples(n, self.predict_split)])
+
+    def lengths_served(self, stage: str) -> list[int]:
+        """The lengths a command reads examples of: `fit` its training stages, warm-start lengths and evaluation
+        lengths; `validate` and `test` the evaluation lengths; `predict` those of `predict_split`."""
+        if stage == "fit":
+            return sorted(set(self.stages) | set(self.sft_stages or ()) | set(self.eval_lengths))
+        if stage == "predict" and self.predict_split == "train":
+            return list(self.stages)
+        return list(self.eval_lengths)
 
 
 class _TrainStream(IterableDataset):

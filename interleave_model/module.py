@@ -189,7 +189,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             check_clipping(self.trainer.strategy, self.optimization.max_grad_norm)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
-            preflight(self, datamodule)  # bad input is one line now, not after the warm-start
+            preflight(self, datamodule, stage)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
         params, opt = [p for p in self.policy.parameters() if p.requires_grad], self.optimization

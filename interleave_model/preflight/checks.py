@@ -32,25 +32,27 @@ class StageFit(NamedTuple):
         return self.prompt_tokens + self.answer_tokens
 
 
-def preflight(module, datamodule) -> list[StageFit]:
+def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
     """Raise `PolicyError` on the first problem; return each length's token needs.
 
     Args:
         module: An `InterleaveGRPO` (its tokenizer, policy config and budget rule).
         datamodule: An `InterleaveDataModule` after `setup()`, built with the module's tokenizer.
+        stage: The command's stage ("fit", "validate", "test", "predict"): only the lengths it reads are checked, so
+            `validate --data.eval_stages '[10]'` is not refused for a 500-word training stage it never reads.
     """
     check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
-    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule).items()]
+    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule, stage).items()]
     for fit in fits:
         check_fit(fit)
-    check_round_trip(module.tokenizer, [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)])
+    served = lengths(datamodule, stage)
+    check_round_trip(module.tokenizer, [e.target for n in served for e in _examples(datamodule, n)])
     return fits
 
 
-def lengths(datamodule) -> list[int]:
-    """Every length the DataModule has examples of: training stages, warm-start lengths, evaluation lengths."""
-    served = set(datamodule.stages) | set(datamodule.sft_stages or ()) | set(datamodule.eval_lengths)
-    return sorted(n for n in served if _examples(datamodule, n))
+def lengths(datamodule, stage: str = "fit") -> list[int]:
+    """The lengths the command reads that the DataModule has examples of (`InterleaveDataModule.lengths_served`)."""
+    return [n for n in datamodule.lengths_served(stage) if _examples(datamodule, n)]
 
 
 def check_chat_template(tokenizer, template: str, name: str) -> None:
@@ -146,10 +148,10 @@ def _fit_line(fit: StageFit) -> str:
     return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
 
 
-def _longest(datamodule) -> dict[int, Longest]:
+def _longest(datamodule, stage: str = "fit") -> dict[int, Longest]:
     """Each length's longest prompt and target in tokens: every example is counted, as collated, since the longest in
     characters is not always the longest in tokens."""
-    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in lengths(datamodule)})
+    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in lengths(datamodule, stage)})
 
 
 def _examples(datamodule, n_words: int) -> list:

@@ -104,6 +104,19 @@ def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, ma
         preflight(module, dm)
 
 
+def test_preflight_checks_the_lengths_the_command_reads(llama3_module, make_datamodule):
+    module = llama3_module
+    dm = make_datamodule(module.tokenizer, eval_stages=(4,), predict_split="train")
+    eight = preflight(module, dm)[1]
+    module.policy.config.max_position_embeddings = eight.needed - 1  # room for 4 words, not for 8
+
+    for stage in ("validate", "test"):  # they read 4 words only: an 8-word training stage does not refuse them
+        assert [fit.n_words for fit in preflight(module, dm, stage)] == [4]
+    for stage in ("fit", "predict"):  # fit trains on 8 words, predict reads the training split of every stage
+        with pytest.raises(PolicyError, match="^the 8-word stage needs"):
+            preflight(module, dm, stage)
+
+
 def test_preflight_finds_the_longest_example_in_tokens_not_in_characters(llama3_module, make_datamodule, monkeypatch):
     monkeypatch.setattr("interleave_model.preflight.token_counts.CHUNK", 16)  # several batches of examples
     module = llama3_module
