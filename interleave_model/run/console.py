@@ -40,6 +40,9 @@ QUIET_WARNINGS = (
     r"The dirpath has changed from",
     # vLLM's kernel dispatcher (vllm/triton_utils) reads an attribute torch >= 2.10 deprecates, at every engine start
     r"`torch\.distributed\.reduce_op` is deprecated",
+    # every value the module logs per epoch passes sync_dist=True; a one-device run beside vLLM's process group of one
+    # is told to anyway, once per value (Lightning syncs only across several devices, and warns whenever a group exists)
+    r"It is recommended to use `self\.log\('(val|test)/.*sync_dist=True\)` when logging on epoch level",
 )
 
 # Lightning info lines dropped in quiet mode (matched against the start of the message).

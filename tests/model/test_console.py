@@ -46,6 +46,8 @@ def test_quiet_by_default_and_loglevel_brings_everything_back(console, monkeypat
     monkeypatch.delenv("LOGLEVEL", raising=False)
     console()
     assert _shown(NOISE) == [] and _shown("a warning of the run") == ["a warning of the run"]
+    engine = "It is recommended to use `self.log('val/alignment_4w', ..., sync_dist=True)` when logging on epoch level"
+    assert _shown(engine) == []  # said beside vLLM's process group of one, of values logged with sync_dist=True
     assert not _kept("GPU available: False, used: False") and _kept("`Trainer.fit` stopped: `max_steps=4` reached.")
 
     monkeypatch.setenv("LOGLEVEL", "INFO")
