@@ -99,6 +99,28 @@ def test_two_cpu_ranks_agree_write_one_sample_log_and_resume(tmp_path):
     assert restored.history == rank0["curriculum"]["history"] and restored.stage_index == 1
 
 
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("rank", [0, None], ids=["rank-0-signalled", "every-rank-signalled"])
+def test_sigterm_stops_both_ranks_at_one_step_saved(tmp_path, rank):
+    """`kill <pid>` reaches rank 0 alone, a scheduler every rank (Lightning's own handling hung in both)."""
+    extra = tmp_path / "ddp.yaml"
+    signal_at = {"class_path": "tests.test_requeue.Signal", "init_args": {"at": 2, "signum": 15, "rank": rank}}
+    trainer = {
+        "devices": 2, "strategy": "ddp", "max_steps": 50, "limit_val_batches": 0, "default_root_dir": str(tmp_path),
+        "callbacks": [*_callbacks(tmp_path)[2:3], signal_at],
+    }  # fmt: skip
+    extra.write_text(yaml.safe_dump({"trainer": trainer}))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "cli.py", "fit", "--config", str(TINY_CONFIG), "--config", str(extra)]
+
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+    assert done.returncode == 128 + 15, done.stderr[-3000:]
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=False)["global_step"] == 3
+    assert (done.stdout + done.stderr).count("fit stopped by SIGTERM after step 3: saved ") == 1  # rank 0 says it
+
+
 # ---- the math across ranks: dapo's token count and "batch" reward scaling -------------------------------------------
 
 

@@ -36,18 +36,18 @@ trainer:
 
 
 class Signal(L.Callback):
-    """Sends this process `signum` (SLURM's warning SIGUSR1 by default) as the step after `at` begins, mid-step; notes
-    the first step a run makes."""
+    """Sends this process `signum` (SLURM's warning SIGUSR1 by default) as the step after `at` begins, mid-step, on
+    rank `rank` only or on every rank (None); notes the first step a run makes."""
 
-    def __init__(self, at: int | None = None, signum: int = int(signal.SIGUSR1)):
-        self.at, self.signum = at, signum
+    def __init__(self, at: int | None = None, signum: int = int(signal.SIGUSR1), rank: int | None = None):
+        self.at, self.signum, self.rank = at, signum, rank
         self.first_step = None
 
     def on_train_start(self, trainer, pl_module):
         self.first_step = trainer.global_step
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if trainer.global_step == self.at:
+        if trainer.global_step == self.at and self.rank in (None, trainer.global_rank):
             os.kill(os.getpid(), self.signum)
 
 

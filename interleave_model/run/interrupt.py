@@ -1,19 +1,24 @@
-"""Stopping a run from outside: SIGTERM (`kill`, a scheduler's time limit) or Ctrl-C saves what a fit learned and ends
-the process with the signal's exit status.
+"""Stopping a fit from outside: SIGTERM (`kill`, a scheduler's time limit) or Ctrl-C ends it after the step under way,
+saves that step and exits with the signal's status.
 
-Lightning stops at the next step boundary on SIGTERM, by raising `SIGTERMException`: a `SystemExit` without a code, so
-the process exits 0, as if the run had ended, and a fit saves nothing since its last periodic checkpoint. With
-`StopOnSignal` (the CLI adds it to every run) a stopped fit saves `last.ckpt` into the run's `checkpoints/`, where
-`--ckpt_path last` finds it, says so in one line, and exits 128 + the signal's number (143 for SIGTERM, 130 for Ctrl-C),
-what a shell reports for a process the signal ended.
+Lightning's own handling falls short twice. On one process it stops at the next step boundary by raising
+`SIGTERMException`, a `SystemExit` without a code: the process exits 0, as if the run had ended, and saves nothing
+since its last periodic checkpoint. Under DDP its handler runs a collective (a broadcast) inside the signal handler;
+a rank that gets the signal twice (from the scheduler and from rank 0's forwarding) or in the middle of another
+collective leaves the ranks waiting on each other for good (two CPU ranks hung this way on SIGTERM).
 
-Ctrl-C takes the same path: the first asks the run to stop after the step it is in (a step of a real model on a CPU
-can last a minute), a second stops at once and saves nothing (Lightning's own handling of Ctrl-C).
+`StopOnSignal` (the CLI adds it to every run) replaces both handlers for the length of the fit with one that only
+notes the signal. At the end of every training step the ranks agree, in one reduction, whether any rank was signalled;
+if so every rank raises `SIGTERMException` at that same point, the run's state is saved as `last.ckpt` in its
+`checkpoints/`, where `--ckpt_path last` finds it, one line says so, and the process exits 128 + the signal's number
+(143 for SIGTERM, 130 for Ctrl-C), what a shell reports for a process a signal ended. A second Ctrl-C stops at once
+and saves nothing (Lightning's handling of KeyboardInterrupt, exit status 1): it may fall in the middle of an update.
 """
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -23,34 +28,42 @@ from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 class StopOnSignal(L.Callback):
-    """Turn a SIGTERM or a first Ctrl-C into a stop after the current step: a fit saves `last.ckpt`, the exit status is
-    128 + the signal's number."""
+    """End a fit after its current step on SIGTERM or a first Ctrl-C, on every rank together, saving `last.ckpt`; the
+    exit status is 128 + the signal's number."""
 
     def __init__(self) -> None:
-        self.signal: int | None = None  # the signal that stopped the run
-        self._previous = None  # the SIGINT handler before the fit's
+        self.signal: int | None = None  # the signal that stops the run, once one came
+        self._previous: dict[int, object] = {}  # each signal's handler before the fit's
+        self._speaks = True  # rank 0 says what it does
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Listen for Ctrl-C. Lightning has taken every signal's handler by now and puts them back when the run ends,
-        this one included."""
-        self.signal = None
-        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
-            previous = signal.getsignal(signal.SIGINT)
+        """Listen. Lightning has taken every signal's handler by now and puts them back when the run ends."""
+        self.signal, self._previous, self._speaks = None, {}, trainer.is_global_zero
+        if threading.current_thread() is not threading.main_thread():  # only the main thread may set handlers
+            return
+        for signum in SIGNALS:
+            previous = signal.getsignal(signum)
             if previous is not signal.SIG_IGN:  # a job started in the background ignores Ctrl-C: so does the run
-                self._previous = previous
-                signal.signal(signal.SIGINT, self._interrupt)
+                self._previous[signum] = previous
+                signal.signal(signum, self._note)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx) -> None:
+        if trainer.strategy.reduce_boolean_decision(self.signal is not None, all=False):  # any rank signalled
+            raise SIGTERMException
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        self._previous = None  # a Ctrl-C from here on is the previous handler's
         if not isinstance(exception, SIGTERMException):
             return
-        self.signal = self.signal or signal.SIGTERM
-        exception.code = 128 + self.signal  # SIGTERMException is a SystemExit: its code is the process's exit status
-        name = signal.Signals(self.signal).name
+        stopped_by = self.signal or signal.SIGTERM  # a rank that was not signalled itself stops as for SIGTERM
+        exception.code = 128 + stopped_by  # SIGTERMException is a SystemExit: its code is the process's exit status
+        name = signal.Signals(stopped_by).name
         if trainer.state.fn != TrainerFn.FITTING:
             rank_zero_info(f"{trainer.state.fn.value} stopped by {name}: nothing saved")
             return
@@ -58,17 +71,19 @@ class StopOnSignal(L.Callback):
         where = f"saved {saved}; the same command with --ckpt_path last goes on from it" if saved else "nothing saved"
         rank_zero_info(f"fit stopped by {name} after step {trainer.global_step}: {where}")
 
-    def _interrupt(self, signum: int, frame) -> None:
-        """SIGINT: the first one during a run stops it as SIGTERM does (Lightning's handler, which a DDP run shares
-        across its ranks); any other is the previous handler's (Python's raises KeyboardInterrupt)."""
-        stop = signal.getsignal(signal.SIGTERM)
-        if self._previous is None or self.signal is not None or not callable(stop):
-            previous = self._previous if callable(self._previous) else signal.default_int_handler
-            previous(signum, frame)
+    def _note(self, signum: int, frame) -> None:
+        """The handler: note the signal and let the step finish; a second Ctrl-C is the previous handler's."""
+        if self.signal is not None:
+            if signum == signal.SIGINT:
+                previous = self._previous.get(signum)
+                (previous if callable(previous) else signal.default_int_handler)(signum, frame)
             return
-        self.signal = signal.SIGINT
-        rank_zero_info("Ctrl-C: stopping after this step and saving it; Ctrl-C again stops now, without saving")
-        stop(signal.SIGTERM, frame)
+        self.signal = signum
+        said = "Ctrl-C: stopping after this step and saving it; Ctrl-C again stops now, unsaved"
+        if signum != signal.SIGINT:
+            said = f"{signal.Signals(signum).name}: stopping after this step and saving it"
+        if self._speaks:
+            print(said, file=sys.stderr, flush=True)
 
 
 def save_last(trainer: L.Trainer) -> Path | None:
