@@ -42,10 +42,10 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
             `validate --data.eval_stages '[10]'` is not refused for a 500-word training stage it never reads.
     """
     check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
-    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule, stage).items()]
+    served = lengths(datamodule, stage)
+    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule, served).items()]
     for fit in fits:
         check_fit(fit)
-    served = lengths(datamodule, stage)
     check_round_trip(module.tokenizer, [e.target for n in served for e in _examples(datamodule, n)])
     return fits
 
@@ -121,20 +121,21 @@ def report(module, datamodule) -> list[str]:
         check_chat_template(tok, datamodule.template, name)
     except PolicyError as err:
         return lines + [f"FAIL {err}"]
-    ids = datamodule.collate(_examples(datamodule, lengths(datamodule)[0])[:1], "eval")["prompt_ids"][0].tolist()
+    served = lengths(datamodule)
+    ids = datamodule.collate(_examples(datamodule, served[0])[:1], "eval")["prompt_ids"][0].tolist()
     if tok.bos_token_id is not None:
         lines.append(f"bos: {tok.bos_token_id} {tok.bos_token!r}, {ids.count(tok.bos_token_id)} in a prompt")
     lines.append(f"prompt starts: {tok.convert_ids_to_tokens(ids[:6])}")
-    counts = _longest(datamodule)
+    counts = _longest(datamodule, served)
     checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
-    targets = [e.target for n in lengths(datamodule) for e in _examples(datamodule, n)]
+    targets = [e.target for n in served for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
     for label, check in checks:
         try:
             lines.append(f"{label}: {check() or 'ok'}")
         except PolicyError as err:
             lines.append(f"{label}: FAIL {err}")
-    example = _examples(datamodule, lengths(datamodule)[0])[0]
+    example = _examples(datamodule, served[0])[0]
     batch = datamodule.collate([example], "eval")
     batch |= {key: batch[key].to(module.device) for key in ("prompt_ids", "prompt_mask")}
     answer = module.greedy(batch)[0]
@@ -148,10 +149,10 @@ def _fit_line(fit: StageFit) -> str:
     return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
 
 
-def _longest(datamodule, stage: str = "fit") -> dict[int, Longest]:
-    """Each length's longest prompt and target in tokens: every example is counted, as collated, since the longest in
-    characters is not always the longest in tokens."""
-    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in lengths(datamodule, stage)})
+def _longest(datamodule, served: list[int]) -> dict[int, Longest]:
+    """Each served length's longest prompt and target in tokens: every example is counted, as collated, since the
+    longest in characters is not always the longest in tokens."""
+    return token_counts.longest(datamodule, {n: _examples(datamodule, n) for n in served})
 
 
 def _examples(datamodule, n_words: int) -> list:
