@@ -1,7 +1,8 @@
 """One folder per run: two runs of a config never touch each other, `--ckpt_path last` continues the newest in place.
 
-The tests share two fits of the tiny config (a named RunLogger and a ModelCheckpoint, as the shipped configs have)
-and run in file order: the last one continues the second run.
+The tests share two fits of the tiny config (a named RunLogger and a ModelCheckpoint, as the shipped configs have).
+A test that adds to them (a validate run, a resumed fit) states what it expects from what is there when it starts,
+so the tests pass in any order and each alone.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def _hashes(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("checkpoints/*"))}
 
 
+def _versions(folder: Path) -> list[str]:
+    return sorted((p.name for p in folder.iterdir()), key=lambda name: int(name.removeprefix("version_")))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Two fits of one config under `root`, from a working directory `cwd` that must stay empty."""
@@ -56,10 +61,11 @@ def runs(tmp_path_factory):
 
 def test_two_runs_of_one_config_leave_two_intact_run_folders(runs):
     folder, cwd, _, ended = runs
-    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1"]
+    assert _versions(folder)[:2] == ["version_0", "version_1"]  # a validate run of another test may come after them
+    assert _hashes(folder / "version_0") == ended[0]
     for version in (0, 1):
         run_dir = folder / f"version_{version}"
-        assert ended[version] == _hashes(run_dir) and "last.ckpt" in ended[version]
+        assert "last.ckpt" in ended[version]
         assert (run_dir / "config.yaml").exists() and (run_dir / "eval" / "report.json").exists()
         assert list(run_dir.glob("events.out.tfevents.*"))
     assert not list(cwd.iterdir())  # default_root_dir moved everything: nothing landed in the working directory
@@ -67,16 +73,18 @@ def test_two_runs_of_one_config_leave_two_intact_run_folders(runs):
 
 def test_validate_last_evaluates_the_newest_run_in_a_folder_of_its_own(runs, capsys):
     folder, _, args, _ = runs
+    newest = folder / "version_1" / "checkpoints" / "last.ckpt"  # the second fit's, resumed in place or not
+    step = torch.load(newest, map_location="cpu", weights_only=False)["global_step"]
+    run_dir = folder / f"version_{len(_versions(folder))}"
     cli = main(args("validate", "--ckpt_path=last"))
 
-    assert cli.trainer.ckpt_path == str(folder / "version_1" / "checkpoints" / "last.ckpt")
-    assert Path(cli.trainer.log_dir) == folder / "version_2"
+    assert cli.trainer.ckpt_path == str(newest)
+    assert Path(cli.trainer.log_dir) == run_dir
     out = capsys.readouterr().out
     assert "validate done: step 0" not in out  # the checkpoint's stage, not an untrained model's
     summary = out[out.index("validate done") :].splitlines()
-    assert summary[1].startswith("held-out val at step 4 (alignment score, exact match)")
+    assert step >= 4 and summary[1].startswith(f"held-out val at step {step} (alignment score, exact match)")
     assert [line.split()[:2] for line in summary[2:4]] == [["4", "words"], ["8", "words"]]
-    run_dir = folder / "version_2"
     assert summary[-3:] == [f"run folder: {run_dir}", f"report: {run_dir / 'eval' / 'report.md'}",
                             f"tensorboard --logdir {folder}"]  # fmt: skip
 
@@ -84,6 +92,7 @@ def test_validate_last_evaluates_the_newest_run_in_a_folder_of_its_own(runs, cap
 def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, capsys):
     folder, cwd, args, ended = runs
     newest = folder / "version_1"
+    versions = _versions(folder)  # with or without a validate run of another test
     config = (newest / "config.yaml").read_text()
     with SummaryWriter(newest) as writer:  # what a run killed after its last checkpoint (step 4) had logged
         for step in (5, 6, 7):
@@ -93,7 +102,7 @@ def test_fit_ckpt_path_last_continues_the_newest_run_in_its_own_folder(runs, cap
 
     assert cli.trainer.ckpt_path == str(newest / "checkpoints" / "last.ckpt")
     assert Path(cli.trainer.log_dir) == newest and cli.trainer.global_step == 6
-    assert sorted(p.name for p in folder.iterdir()) == ["version_0", "version_1", "version_2"]  # no new run
+    assert _versions(folder) == versions  # no new run
     assert _hashes(folder / "version_0") == ended[0]
     assert (newest / "config.yaml").read_text() == config and (newest / "config-resume-1.yaml").exists()
     events = EventAccumulator(str(newest)).Reload().Scalars("train/loss")
