@@ -82,6 +82,14 @@ class Alignment:
         """``first_error / n_target``: 1.0 when the alignment never departs from the target."""
         return self.first_error / self.n_target if self.n_target else 1.0
 
+    @property
+    def copies_one_fragment(self) -> bool:
+        """One stream at least 80% matched and the other at most 20%: an answer that holds one stream, not two.
+
+        A copy of one fragment scores 0.5 at every length, so this share says how much of a score comes from it."""
+        high, low = max(self.a_accuracy, self.b_accuracy), min(self.a_accuracy, self.b_accuracy)
+        return high >= 0.8 and low <= 0.2
+
 
 def words(text: str, normalize: bool = False) -> list[str]:
     """Split text into words on whitespace, optionally case-folded and stripped of punctuation.

@@ -27,6 +27,7 @@ from interleave_model.evaluation.metric import AlignmentScore
 
 GREEDY_KEYS = (
     "score",
+    "score_stderr",
     "exact_match",
     "first_error",
     "a_accuracy",
@@ -34,6 +35,8 @@ GREEDY_KEYS = (
     "substitutions",
     "insertions",
     "deletions",
+    "length_ratio",
+    "copy_share",
 )
 """Values of `AlignmentScore.compute_all()` that go into a row of the report."""
 

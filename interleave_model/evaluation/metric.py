@@ -15,6 +15,7 @@ from interleave_model.evaluation.alignment import Alignment, align_batch
 _STATES = (
     "pairs",
     "score_sum",
+    "score_sq_sum",
     "exact_matches",
     "relative_first_error_sum",
     "a_matched",
@@ -25,6 +26,8 @@ _STATES = (
     "insertions",
     "deletions",
     "target_words",
+    "pred_words",
+    "copies",
 )
 
 
@@ -35,10 +38,13 @@ class AlignmentScore(Metric):
     synced across processes the same way:
 
     - ``score``: mean alignment score per pair.
+    - ``score_stderr``: its standard error, ``sqrt(sample variance / pairs)`` (NaN below two pairs).
     - ``exact_match``: share of pairs whose words equal the target's.
     - ``first_error``: mean over pairs of ``first_error / n_target`` (1.0 when the target is matched in order).
     - ``a_accuracy`` / ``b_accuracy``: matched fragment-A (B) target words over all fragment-A (B) target words.
     - ``substitutions`` / ``insertions`` / ``deletions``: edits of that kind per target word.
+    - ``length_ratio``: answer words over target words.
+    - ``copy_share``: share of pairs whose answer holds one stream only (`Alignment.copies_one_fragment`).
 
     A value whose denominator is still zero (no pair yet, or no target word of that kind) is NaN: no data is not
     a score of 0. `update` with empty lists adds nothing.
@@ -80,6 +86,7 @@ class AlignmentScore(Metric):
     def _values(self) -> dict[str, Tensor]:
         return {
             "score": self.score_sum / self.pairs,
+            "score_stderr": _stderr(self.score_sum, self.score_sq_sum, self.pairs),
             "exact_match": self.exact_matches / self.pairs,
             "first_error": self.relative_first_error_sum / self.pairs,
             "a_accuracy": self.a_matched / self.a_words,
@@ -87,6 +94,8 @@ class AlignmentScore(Metric):
             "substitutions": self.substitutions / self.target_words,
             "insertions": self.insertions / self.target_words,
             "deletions": self.deletions / self.target_words,
+            "length_ratio": self.pred_words / self.target_words,
+            "copy_share": self.copies / self.pairs,
         }
 
 
@@ -95,6 +104,7 @@ def _sums(alignments: list[Alignment]) -> dict[str, float]:
     return {
         "pairs": len(alignments),
         "score_sum": sum(a.score for a in alignments),
+        "score_sq_sum": sum(a.score**2 for a in alignments),
         "exact_matches": sum(a.distance == 0 for a in alignments),
         "relative_first_error_sum": sum(a.relative_first_error for a in alignments),
         "a_matched": sum(a.a_matched for a in alignments),
@@ -105,4 +115,14 @@ def _sums(alignments: list[Alignment]) -> dict[str, float]:
         "insertions": sum(a.insertions for a in alignments),
         "deletions": sum(a.deletions for a in alignments),
         "target_words": sum(a.n_target for a in alignments),
+        "pred_words": sum(a.n_pred for a in alignments),
+        "copies": sum(a.copies_one_fragment for a in alignments),
     }
+
+
+def _stderr(total: Tensor, squares: Tensor, n: Tensor) -> Tensor:
+    """Standard error of a mean from the sum, the sum of squares and the count: NaN below two values."""
+    if n < 2:
+        return torch.full((), float("nan"), dtype=torch.float64)
+    variance = (squares - total**2 / n).clamp(min=0) / (n - 1)
+    return (variance / n).sqrt()

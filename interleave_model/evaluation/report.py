@@ -30,6 +30,7 @@ COLUMNS = {
     "n_words": "words",
     "pairs": "pairs",
     "score": "score",
+    "score_stderr": "± s.e.",
     "exact_match": "exact",
     "first_error": "first error",
     "a_accuracy": "A acc",
@@ -37,6 +38,8 @@ COLUMNS = {
     "substitutions": "sub/word",
     "insertions": "ins/word",
     "deletions": "del/word",
+    "length_ratio": "length",
+    "copy_share": "copies",
     "sample_score": "sample score",
     "distinct": "distinct",
     "self_similarity": "self-sim",
@@ -150,9 +153,11 @@ def to_markdown(report: Mapping[str, Any]) -> str:
         lines.append("| " + " | ".join(_cell(row.get(k)) for k in keys) + " |")
     lines += [
         "",
-        "score: mean alignment score of the greedy answer; exact: share of exact greedy answers; first error: mean "
-        "position of the first departure from the target, as a share of its length (1 = never); A/B acc: target "
-        "words of each fragment matched; sub/ins/del: edits per target word; pass@k: chance that k samples hold a "
+        "score: mean alignment score of the greedy answer; ± s.e.: its standard error over the pairs; exact: share "
+        "of exact greedy answers; first error: mean position of the first departure from the target, as a share of "
+        "its length (1 = never); A/B acc: target words of each fragment matched; sub/ins/del: edits per target "
+        "word; length: answer words over target words; copies: share of answers that hold one stream only (one at "
+        "least 80% matched, the other at most 20%); pass@k: chance that k samples hold a "
         "correct one; sample score: mean score of the samples; distinct: different answers per prompt; self-sim: "
         "mean pairwise score among a prompt's samples (1 = all the same).",
         "",

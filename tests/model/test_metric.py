@@ -2,6 +2,7 @@
 
 import math
 import socket
+import statistics
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,7 @@ def test_values_by_hand():
     values = metric.compute_all()
     expected = {
         "score": (1 + 7 / 8 + 5 / 8 + 8 / 11) / 4,
+        "score_stderr": statistics.stdev([1, 7 / 8, 5 / 8, 8 / 11]) / 2,  # sample std over sqrt(4 pairs)
         "exact_match": 1 / 4,
         "first_error": (1 + 3 / 8 + 5 / 8 + 1) / 4,
         "a_accuracy": (4 + 4 + 3 + 4) / 16,
@@ -35,12 +37,26 @@ def test_values_by_hand():
         "substitutions": 0.0,
         "insertions": 3 / 32,
         "deletions": (1 + 3) / 32,
+        "length_ratio": (8 + 7 + 5 + 11) / 32,
+        "copy_share": 0.0,  # every answer holds both streams at least half
     }
     assert values.keys() == expected.keys()
     for name, value in expected.items():
         assert values[name].dtype == torch.float64
         assert values[name].item() == pytest.approx(value), name
     assert metric.compute().item() == pytest.approx(expected["score"])
+
+
+def test_copy_share_counts_answers_that_hold_one_stream():
+    metric = AlignmentScore()
+    # A copied (A 4/4, B 0/4); A doubled to the target's length (4/4, 0/4); A then one pair (4/4, 1/4: B <= 0.2 fails
+    # at 4 words, so 10 words below); both streams half right (2/4, 2/4)
+    metric.update(["a1 a2 a3 a4", "a1 a1 a2 a2 a3 a3 a4 a4", "a1 b1 a2 a3 a4", "a1 b1 a2 b2"], [TARGET] * 4)
+    assert metric.compute_all()["copy_share"].item() == 2 / 4
+    ten = " ".join(f"a{i} b{i}" for i in range(10))
+    metric.reset()
+    metric.update([" ".join(f"a{i}" for i in range(10)) + " b9", "a0 b0 a1 b1 a2 b2 a3 b3 a4 b4"], [ten, ten])
+    assert metric.compute_all()["copy_share"].item() == 1 / 2  # A and the last B word (B 0.1): a copy; half: not
 
 
 def test_no_update_gives_nan():

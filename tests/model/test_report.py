@@ -61,7 +61,7 @@ def test_tiny_model_report_on_two_lengths_has_every_field(make_module, make_data
         assert row["pass@1"] <= row["pass@2"]
 
     markdown = (run / "eval" / "report.md").read_text()
-    assert "| words | pairs | score | exact | first error |" in markdown
+    assert "| words | pairs | score | ± s.e. | exact | first error |" in markdown
     assert "| pass@1 | pass@2 | sample score | distinct | self-sim |" in markdown
     assert sum(line.startswith("| 4 |") or line.startswith("| 8 |") for line in markdown.splitlines()) == 2
     assert (run / "eval" / "curve.png").read_bytes()[:4] == b"\x89PNG"
@@ -105,9 +105,9 @@ def _report(score: float, seed: int = 0, step: int = 0) -> dict:
 def test_markdown_table_by_hand():
     markdown = to_markdown(_report(0.5))
     lines = markdown.splitlines()
-    header = "| words | pairs | score | exact | first error | A acc | B acc | sub/word | ins/word | del/word"
+    header = "| words | pairs | score | ± s.e. | exact | first error | A acc | B acc | sub/word | ins/word | del/word"
     assert lines[lines.index(next(line for line in lines if line.startswith("| words")))].startswith(header)
-    assert "| del/word | pass@1 | pass@8 | self-sim |" in markdown  # pass@k after the greedy measures, by k
+    assert "| del/word | length | copies | pass@1 | pass@8 | self-sim |" in markdown  # pass@k after the greedy ones
     assert "| 10 | 32 | 0.500 | 0.500 |" in markdown
     assert "| 25 | 32 | 0.250 |" in markdown and markdown.count("| nan |") == 1
     assert "- **model**: /models/Llama-3.2-3B-Instruct (LoRA: no)" in markdown
@@ -132,7 +132,7 @@ def test_compare_prints_two_reports_side_by_side(tmp_path, capsys):
     assert lines[pairs_10 + 1].split() == ["score", "0.500", "0.750", "+0.250"]
     pairs_25 = lines.index(next(line for line in lines if line.split()[:2] == ["25", "pairs"]))
     assert lines[pairs_25 + 1].split() == ["score", "0.250", "0.375", "+0.125"]
-    assert lines[pairs_25 + 9].split() == ["pass@1", "0.500", "0.750", "+0.250"]  # after the 8 greedy measures
+    assert lines[pairs_25 + len(GREEDY_KEYS) + 1].split() == ["pass@1", "0.500", "0.750", "+0.250"]  # after the greedy
     assert lines[-1].split() == ["self_similarity", "nan", "nan"]
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_model.algorithm.rewards import AlignmentReward, FormatReward, RewardFunction, combine
+from interleave_model.algorithm.rewards import (
+    AlignmentReward,
+    BothStreamsReward,
+    FormatReward,
+    RewardFunction,
+    combine,
+)
 
 
 class Constant(RewardFunction):
@@ -43,3 +49,48 @@ def test_a_function_returning_the_wrong_count_is_refused():
 
     with pytest.raises(ValueError):
         combine([Short()], ["a", "b"], ["a", "b"], [False, False])
+
+
+A = [f"a{i}" for i in range(10)]
+B = [f"b{i}" for i in range(10)]
+TARGET = " ".join(w for pair in zip(A, B, strict=True) for w in pair)  # 20 words
+
+
+def _both(answer: str) -> float:
+    (value,) = BothStreamsReward()([answer], [TARGET], [False])
+    return value
+
+
+def test_both_streams_pays_the_correct_answer_in_full():
+    assert _both(TARGET) == 1.0
+
+
+@pytest.mark.parametrize("fragment", [A, B], ids=["A", "B"])
+def test_both_streams_pays_nothing_for_a_copy_of_one_fragment(fragment):
+    copy = " ".join(fragment)
+    assert AlignmentReward()([copy], [TARGET], [False]) == [0.5]  # the floor this reward removes
+    assert _both(copy) <= 0.05
+    assert _both(" ".join(w for word in fragment for w in (word, word))) <= 0.05  # doubled to the target's length
+
+
+def test_both_streams_pays_little_for_the_two_fragments_concatenated():
+    assert _both(" ".join(A + B)) <= 0.15  # 0.1: one word of each stream stays in place
+
+
+def test_both_streams_pays_for_pairs_then_a_copy_only_what_was_interleaved():
+    # two pairs, then the rest of A: A 10/10, B 2/10, 12 words -> 0.2
+    assert _both(" ".join(["a0", "b0", "a1", "b1", *A[2:]])) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize("where", [0, 7, 19])
+def test_one_wrong_or_missing_word_keeps_at_least_0_85(where):
+    words = TARGET.split()
+    wrong = words[:where] + ["zz"] + words[where + 1 :]
+    missing = words[:where] + words[where + 1 :]
+    assert _both(" ".join(wrong)) >= 0.85 and _both(" ".join(missing)) >= 0.85
+
+
+def test_words_past_the_target_are_penalised():
+    # every word right, 5 more: 20 / 25 of the full reward
+    assert _both(TARGET + " x y z w v") == pytest.approx(20 / 25)
+    assert _both(TARGET + " x y z w v") < _both(TARGET + " x") < _both(TARGET)
