@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,10 +42,17 @@ from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule, batches_run
 from interleave_model.algorithm.grpo import zero_std_groups
+from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
 from interleave_model.settings import grouped_hparams
+
+# per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
+BATCH_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share", "grad_norm", "grad_clipped")
+# per held-out evaluation, at the first length
+HELD_OUT_KEYS = ("score_stderr", "a_accuracy", "b_accuracy", "length_ratio", "copy_share")
+REWARDS = {"alignment": AlignmentReward, "both_streams": BothStreamsReward}
 
 
 class EndOfWarmStart(L.Callback):
@@ -91,10 +99,12 @@ class Clock(L.Callback):
             at = [i for i, n in enumerate(record.n_words) if n == words]
             rewards = record.rewards.view(-1, G)[at]  # [P', G]
             groups = [record.completions[i * G : (i + 1) * G] for i in at]
+            logged = trainer.callback_metrics
             self.batches.append({
                 "words": words, "reward": rewards.mean().item(),
                 "zero_std": zero_std_groups(rewards.flatten(), G).float().mean().item(),
                 "identical": sum(len(set(g)) == 1 for g in groups) / len(groups),
+                **{key: float(logged[f"train/{key}"]) for key in BATCH_KEYS if f"train/{key}" in logged},
             })  # fmt: skip
         if self.started is not None and self.training_seconds() >= self.budget:
             trainer.should_stop = True
@@ -104,9 +114,13 @@ class Clock(L.Callback):
             self.evaluating += self.now() - self._eval_began
         if trainer.sanity_checking:
             return
-        scores = {n: round(float(trainer.callback_metrics[f"val/alignment_{n}w"]), 3) for n in self.lengths}
+        logged = trainer.callback_metrics
+        scores = {n: round(float(logged[f"val/alignment_{n}w"]), 3) for n in self.lengths}
         seconds = round(self.training_seconds(), 1)
-        self.curve.append({"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}})
+        point = {"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}}
+        first = self.lengths[0]  # how its answers hold the two streams, and the score's standard error
+        point |= {key: round(float(logged[f"val/{key}_{first}w"]), 3) for key in HELD_OUT_KEYS}
+        self.curve.append(point)
         print(f"held-out {scores} at step {trainer.global_step}, {seconds} s", file=sys.stderr, flush=True)
 
 
@@ -128,7 +142,8 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
-        micro_batch_size=args.micro_batch_size,
+        micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()], guidance=args.guidance,
+        guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -145,12 +160,13 @@ def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **ov
 
 # the settings a warm start's weights depend on besides model, seed, length, cap and threshold
 WARM_SETTINGS = ("lora_r", "lora_top_layers", "template", "sft_learning_rate", "sft_batch_size", "warmup_steps",
-                 "train_pairs", "val_pairs", "eval_every")  # fmt: skip
+                 "train_pairs")  # fmt: skip
 
 
 def warm_name(args, seed: int, length: int, sft_stages: list[int] | None, steps: int, until: float | None) -> str:
     """The file a warm start is kept in: one built with other LoRA, data or supervised settings is never reused."""
     shaping = {name: getattr(args, name) for name in WARM_SETTINGS} | {"sft_stages": sft_stages}
+    shaping |= {"val_pairs": args.warm_val_pairs, "eval_every": args.warm_eval_every}  # the held-out check's
     digest = hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:8]
     return f"warm-{Path(args.model).name}-{seed}-{length}-{steps}-{until}-{digest}.ckpt"
 
@@ -169,12 +185,12 @@ def warm_start(
     settings = CurriculumSettings(warm_start_until=until)
     dm = _datamodule(
         args, module, stages[:1], seed, sft_steps=steps, sft_stages=sft_stages, curriculum=settings,
-        eval_stages=stages[:1],
+        eval_stages=stages[:1], val_pairs=args.warm_val_pairs,
     )  # fmt: skip
     clock = Clock(0.0, stages[:1])  # its held-out curve
     started = time.perf_counter()
     callbacks = [clock, CurriculumCallback(export=False), EndOfWarmStart()]
-    _trainer(args, steps, callbacks, args.eval_every).fit(module, dm)
+    _trainer(args, steps, callbacks, args.warm_eval_every).fit(module, dm)
     end = dm.curriculum.state.warm_end or steps
     score = clock.curve[-1][f"{stages[0]}w"] if clock.curve else None
     start = {"sft_steps": end, "held_out": score, "seconds": round(time.perf_counter() - started, 1)}
@@ -215,6 +231,9 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
     def binned(key: str) -> list[float]:
         return [round(sum(r[key] for r in b) / len(b), 3) for b in bins]
 
+    def binned_logged(key: str) -> list[float | None]:  # a value a batch may lack (no gradient norm on a skip)
+        return [round(sum(v) / len(v), 3) if (v := [r[key] for r in b if key in r]) else None for b in bins]
+
     out = {
         "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "clock": args.clock,
         "steps": trainer.global_step,
@@ -230,6 +249,8 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
             "zero_std_share": binned("zero_std"), "identical_share": binned("identical"),
             "zero_std_share_all": round(sum(r["zero_std"] for r in rows) / len(rows), 3),
         }  # fmt: skip
+        out |= {f"sample_{key}": binned_logged(key) for key in BATCH_KEYS[:4]}
+        out |= {"grad_norm": binned_logged("grad_norm"), "clipped_share": binned_logged("grad_clipped")}
     if arm in ("curriculum", "direct"):
         history = dm.curriculum.state.history
         out["transitions"] = [{k: h[k] for k in ("kind", "to_words", "global_step")} for h in history]
@@ -246,6 +267,10 @@ def main() -> None:
     parser.add_argument("--loss-type", default="grpo", help='"grpo", "dr_grpo" or "dapo"')
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
     parser.add_argument("--template", default="compact", help="prompt template")
+    parser.add_argument("--reward", choices=sorted(REWARDS), default="alignment", help="the GRPO arms' reward")
+    parser.add_argument("--guidance", type=float, default=0.0, help="mu of the reference guidance (CHORD-phi); 0: off")
+    parser.add_argument("--guidance-final", type=float, default=0.0, help="mu after --guidance-decay-steps")
+    parser.add_argument("--guidance-decay-steps", type=int, default=0, help="GRPO steps of mu's cosine; 0: constant")
     parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process")
@@ -281,14 +306,19 @@ def main() -> None:
     parser.add_argument("--replay-fraction", type=float, default=0.25)
     parser.add_argument("--target", type=float, default=0.95, help="held-out score whose time to reach is reported")
     parser.add_argument("--train-pairs", type=int, default=20000)
-    parser.add_argument("--val-pairs", type=int, default=64)
+    parser.add_argument("--val-pairs", type=int, default=64, help="held-out pairs of each evaluation of an arm")
     parser.add_argument("--eval-every", type=int, default=25, help="batches between held-out evaluations")
+    parser.add_argument("--warm-val-pairs", type=int, default=None, help="the warm start's; default --val-pairs")
+    parser.add_argument("--warm-eval-every", type=int, default=None, help="the warm start's; default --eval-every")
     parser.add_argument("--bin", type=int, default=50, help="GRPO batches per reported bin")
     args = parser.parse_args()
+    args.warm_val_pairs = args.warm_val_pairs or args.val_pairs
+    args.warm_eval_every = args.warm_eval_every or args.eval_every
     torch.set_num_threads(args.threads)
     ladder = args.ladder
     context = {
-        "torch": torch.__version__, "cpu": platform.processor() or platform.machine(), "threads": args.threads,
+        "command": " ".join(["python", *sys.argv]), "commit": _commit(), "python": platform.python_version(),
+        "torch": torch.__version__, "cpu": _cpu_model(), "threads": args.threads,
         "settings": {k: v for k, v in vars(args).items() if k not in ("arms", "seeds")},
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as folder:
@@ -312,6 +342,29 @@ def main() -> None:
                 path, start = warm[kind]
                 out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
                 print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)
+
+
+def _commit() -> str | None:
+    """The checkout's commit, with "+dirty" when files differ from it; None outside a git checkout."""
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

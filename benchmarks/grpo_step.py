@@ -189,8 +189,8 @@ def measure(args: argparse.Namespace, words: int, cache_dir: str) -> dict:
                         "width": trajectory.completion_ids.shape[1]}  # fmt: skip
         return trajectory, stats
 
-    def timed_update(trajectory):
-        stats = grpo_step(trajectory)
+    def timed_update(trajectory, batch):
+        stats = grpo_step(trajectory, batch)
         records[-1]["update_s"] = records[-1].get("update_s", 0.0) + stats["time/update_s"]  # all num_iterations
         return stats
 

@@ -17,6 +17,7 @@ from interleave_data.prompts import TemplateName
 from interleave_model import old_path
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
+from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
 from interleave_model.algorithm.logprobs import (
     chunked_completion_logprobs,
     completion_logits,
@@ -25,7 +26,7 @@ from interleave_model.algorithm.logprobs import (
     sft_inputs,
 )
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
-from interleave_model.algorithm.records import StepRecord, Trajectory, trajectory_stats
+from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
@@ -217,7 +218,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 )
                 trajectory = trajectory._replace(advantages=advantages)
             for _ in range(self.loss.num_iterations):
-                update = self.grpo_step(trajectory)
+                update = self.grpo_step(trajectory, batch)
             stats |= update  # the last update's: its loss, and its learning rate unless it was skipped
         # each value the mean of the ranks' (a std: the mean of their stds), so every rank logs the same
         stats = mean_over_ranks(stats, self._sum_over_ranks, self.device)
@@ -271,16 +272,19 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 trainer = self._logprobs(self.policy, *sequences) if old is None else old
                 gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
         trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
-        stats = trajectory_stats(trajectory, G) | {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
+        stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
+        stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
         return trajectory, stats
 
-    def grpo_step(self, trajectory: Trajectory) -> dict[str, float]:
-        """One clipped policy-gradient update on a trajectory, in micro-batches of rows."""
+    def grpo_step(self, trajectory: Trajectory, batch: dict) -> dict[str, float]:
+        """One clipped policy-gradient update on a trajectory, in micro-batches of rows; with `loss.guidance`, mixed
+        with a supervised term on the batch's targets (`algorithm/guidance.py`)."""
         loss, temperature, G = self.loss, self.sampling.temperature, self.sampling.num_generations
         started = time.perf_counter()
+        mu = self._guidance_weight()
         cap = self.sampler.importance_sampling_cap(trajectory.rollout)  # an engine's samples, corrected: TIS
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
@@ -309,12 +313,15 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
             share = 1.0 if loss.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
-            self.manual_backward(out.loss * share)
+            self.manual_backward(out.loss * share * (1.0 - mu))
             entropy = grpo.masked_mean(entropy, mask[rows])
-            totals["loss"] += out.loss.item() * share
+            totals["loss"] += out.loss.item() * share * (1.0 - mu)
             totals["pg_loss"] += out.pg_loss.item() * share
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
+        if mu > 0:
+            totals["guidance"], totals["guidance_loss"] = mu, self._guidance_backward(batch, mu)
+            totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         stats["train/advantage_abs_mean"] = trajectory.advantages.abs().mean().item()  # as the loss weighed tokens
         stats["time/update_s"] = time.perf_counter() - started
@@ -333,6 +340,20 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         return stats | {"time/update_s": time.perf_counter() - started}
 
     # ---------------------------------------------------------------- pieces
+
+    def _guidance_weight(self) -> float:
+        """The guidance weight mu at this GRPO step (0 unless `loss.guidance`)."""
+        loss = self.loss
+        steps = self.global_step - (self.grpo_start or 0)
+        return guidance_weight(steps, loss.guidance, loss.guidance_final, loss.guidance_decay_steps)
+
+    def _guidance_backward(self, batch: dict, mu: float) -> float:
+        """Backward of `mu` times the phi-weighted cross-entropy on the batch's targets; its value."""
+        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
+        logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
+        guided = phi_sft_loss(logits, labels)
+        self.manual_backward(guided * mu)
+        return guided.item()
 
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
@@ -374,7 +395,10 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             self.guard.skip(optimizer)
         optimizer.step()  # on_before_optimizer_step: skipped there for a non-finite gradient norm, or clipped
         logged = {"train/skipped_steps": float(self.guard.skipped)}
-        return logged if self.guard.skipped > skipped else logged | {"train/lr": lr}
+        if self.guard.skipped > skipped:
+            return logged
+        logged |= {"train/lr": lr, "train/grad_clipped": float(self.guard.clipped)}
+        return logged if self.guard.norm is None else logged | {"train/grad_norm": self.guard.norm}
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip a step whose loss or gradient norm is not finite on any rank, else clip it (`step_guard.py` says why

@@ -44,6 +44,11 @@ class Loss:
             longest completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
+            supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
+            target token in any gradient.
+        guidance_final: mu after `guidance_decay_steps` GRPO steps.
+        guidance_decay_steps: GRPO steps of mu's cosine decay from `guidance` to `guidance_final`; 0 keeps `guidance`.
     """
 
     beta: float = 0.04
@@ -55,8 +60,14 @@ class Loss:
     max_completion_length: int | None = None
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
+    guidance: float = 0.0
+    guidance_final: float = 0.0
+    guidance_decay_steps: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("guidance", "guidance_final"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"model.loss.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise ValueError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.num_iterations < 1:

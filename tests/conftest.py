@@ -112,3 +112,16 @@ def flat_settings(hparams: dict) -> dict:
     for old, (group, name) in FLAT_NAMES.items():
         flat[old] = hparams[group][name]
     return flat
+
+
+def fit_one_grpo_step(module, make_datamodule, batch_size: int = 1):
+    """One GRPO step of `module` on 3-word pairs, no validation; the trainer (its `callback_metrics`)."""
+    import lightning as L
+
+    datamodule = make_datamodule(module.tokenizer, stages=(3,), train_pairs=4, batch_size=batch_size)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=datamodule)
+    return trainer

@@ -160,8 +160,8 @@ class ScriptedGRPO(InterleaveGRPO):
             [p for p in self.policy.parameters() if p.requires_grad], lr=self.optimization.learning_rate
         )
 
-    def grpo_step(self, trajectory):
-        stats = super().grpo_step(trajectory)
+    def grpo_step(self, trajectory, batch):
+        stats = super().grpo_step(trajectory, batch)
         record = {"texts": trajectory.rollout.texts, "advantages": trajectory.advantages.tolist()}
         record["loss"] = stats["train/loss"]
         (Path(self.record_dir) / f"rank{self.global_rank}.json").write_text(json.dumps(record))

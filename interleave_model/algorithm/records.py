@@ -7,6 +7,7 @@ from typing import NamedTuple
 from torch import Tensor
 
 from interleave_model.algorithm import grpo
+from interleave_model.evaluation.metric import AlignmentScore
 from interleave_model.generation.rollout import Rollout
 
 
@@ -53,3 +54,12 @@ def trajectory_stats(trajectory: Trajectory, num_generations: int) -> dict[str, 
         "train/completion_len": roll.completion_mask.sum(-1).float().mean().item(),
         "train/truncated_frac": roll.truncated.float().mean().item(),
     }
+
+
+def stream_stats(completions: list[str], targets: list[str]) -> dict[str, float]:
+    """How the sampled completions hold the two streams, whatever the reward pays for: A and B accuracy, answer
+    length over target length and the share that copies one fragment (`AlignmentScore`, as held-out answers get)."""
+    metric = AlignmentScore(sync_on_compute=False)
+    metric.update(completions, targets)
+    values = metric.compute_all()
+    return {f"train/{name}": values[name].item() for name in ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")}

@@ -32,10 +32,14 @@ class StepGuard:
 
     Attributes:
         skipped: Steps skipped so far (saved in checkpoints as `skipped_steps`).
+        norm: The last step's gradient norm before clipping (None before any step, or when it had no gradient).
+        clipped: Whether the last step was clipped (its norm above `max_norm`).
     """
 
     def __init__(self, skipped: int = 0) -> None:
         self.skipped = skipped
+        self.norm: float | None = None
+        self.clipped = False
         self._dropped = False  # this step's gradients were dropped for a non-finite loss
 
     def skip(self, optimizer: torch.optim.Optimizer) -> None:
@@ -57,8 +61,10 @@ class StepGuard:
         norm = torch.nn.utils.get_total_norm([p.grad for p in params]) if params else None
         local = self._dropped or (norm is not None and not torch.isfinite(norm).item())
         skip = on_any_rank(local)
+        self.norm, self.clipped = (None if norm is None else norm.item()), False
         if skip and not self._dropped:
             self.skip(optimizer)
         elif not skip and max_norm and norm is not None:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            self.clipped = self.norm > max_norm
         self._dropped = False

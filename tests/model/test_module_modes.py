@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import warnings
 
-import lightning as L
 import pytest
 import torch
 
@@ -18,20 +17,12 @@ from interleave_model.algorithm import grpo
 from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
 from interleave_model.settings import grouped_hparams
+from tests.conftest import fit_one_grpo_step
 
 
 def _module(folder, **overrides) -> InterleaveGRPO:
     kwargs = {"model_name_or_path": str(folder), "template": "compact", "num_generations": 2, "beta": 0.0}
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))
-
-
-def _fit_one_grpo_step(module, make_datamodule) -> None:
-    datamodule = make_datamodule(module.tokenizer, stages=(3,), train_pairs=4, batch_size=1)
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=datamodule)
 
 
 def _count_forwards(layer: torch.nn.Module) -> list[bool]:
@@ -69,7 +60,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
     monkeypatch.setattr(logprobs_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _fit_one_grpo_step(module, make_datamodule)
+        fit_one_grpo_step(module, make_datamodule)
 
     assert modes == {"rollout": [False], "reference": [False], "update": [True]}
     assert not [w for w in caught if "eval mode at the start of training" in str(w.message)]
@@ -93,7 +84,7 @@ def test_first_ratio_is_exactly_one_without_dropout(family_folders, make_datamod
         return out
 
     monkeypatch.setattr(grpo, "policy_loss", recording_policy_loss)
-    _fit_one_grpo_step(module, make_datamodule)
+    fit_one_grpo_step(module, make_datamodule)
 
     assert len(calls) == 2  # num_iterations updates of one rollout
     logprobs, old, clip_frac = calls[0]
@@ -120,7 +111,7 @@ def test_gradient_checkpointing_recomputes_each_layer(family_folders, make_datam
 
     layer.forward = recording
 
-    _fit_one_grpo_step(module, make_datamodule)
+    fit_one_grpo_step(module, make_datamodule)
 
     if checkpointing:
         assert len(shapes) == 2 and shapes[0] == shapes[1], shapes

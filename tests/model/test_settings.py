@@ -24,7 +24,7 @@ FLAT_BEFORE = [
 
 
 def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_name():
-    assert sorted(FLAT_NAMES) == sorted(FLAT_BEFORE)
+    assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
     assert set(FLAT_NAMES.values()) == fields
 
