@@ -203,6 +203,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         else:
             if self.grpo_start is None:  # the first GRPO batch (min: a run that warm-started before this was kept)
                 self.grpo_start = min(self.global_step, self.optimization.sft_steps)
+                # GRPO starts with fresh AdamW moments, as a run started from the warm start's weights does: the
+                # supervised steps' moments would size GRPO's first updates by another loss's gradients
+                self.optimizers().optimizer.state.clear()
             trajectory, stats = self.generate_trajectory(batch)
             roll, G = trajectory.rollout, self.sampling.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)

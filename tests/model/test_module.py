@@ -351,3 +351,15 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     resumed = make_module(sft_steps=10)
     resumed.on_load_checkpoint(torch.load(tmp_path / "run.ckpt", weights_only=False))
     assert resumed.grpo_start == 2  # a resumed run keeps GRPO's schedule
+
+
+def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, make_datamodule):
+    module = make_module(beta=0.0, sft_steps=2, rewards=[CompletionLength()])
+    datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=2)
+    optimizer_steps = []
+    module.on_train_batch_end = lambda *args: optimizer_steps.append(
+        {int(state["step"]) for state in module.optimizers().optimizer.state.values()}
+    )
+    _fit(module, datamodule, steps=4)
+    # two supervised steps, then GRPO's moments count from its own first step, as a run from the warm weights
+    assert optimizer_steps == [{1}, {2}, {1}, {2}]
