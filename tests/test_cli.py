@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,16 @@ def test_dynamic_sampling_runs_from_the_command_line(tmp_path):
                 f"--trainer.default_root_dir={tmp_path}"])  # fmt: skip
     assert cli.model.dynamic_sampling.max_rounds == 1 and cli.trainer.global_step == 4
     assert "train/dynamic_rounds" in cli.trainer.logged_metrics
+
+
+def test_the_installed_console_command_is_the_cli():
+    script = shutil.which("interleave-grpo")
+    assert script, "`pip install -e .` installs the interleave-grpo command (setup.cfg, console_scripts)"
+    done = subprocess.run([script, "fit", "--config", str(TINY_CONFIG), "--print_config"], capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "model_name_or_path: tiny" in done.stdout
+    refused = subprocess.run([script, "validate", "--config", str(TINY_CONFIG), "--ckpt_path=last",
+                              "--trainer.default_root_dir=/nonexistent-run-root"], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].startswith("error: ckpt_path last")
