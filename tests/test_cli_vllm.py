@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -90,11 +91,13 @@ def test_predict_and_validate_on_the_engine_equal_the_own_sampler(fitted, folder
     assert engine == own and len(own) == 2
 
 
-def test_resume_on_the_engine(fitted, folder):
+def test_resume_on_the_engine(fitted, folder, tmp_path):
     _, root, checkpoint = fitted
-    cli = main(_args("fit", root, folder, f"--ckpt_path={checkpoint}", "--trainer.max_steps=6",
-                     *ENGINE))  # fmt: skip
+    copy = shutil.copytree(root, tmp_path / "run")  # the resume goes on in a copy: the shared run stays as fitted
+    cli = main(_args("fit", copy, folder, f"--ckpt_path={copy / checkpoint.relative_to(root)}",
+                     "--trainer.max_steps=6", *ENGINE))  # fmt: skip
     assert cli.trainer.global_step == 6
+    assert Path(cli.trainer.log_dir).is_relative_to(copy)
 
 
 def _check_args(folder: Path, cache: Path) -> list[str]:

@@ -14,8 +14,9 @@ efficacy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(efficacy)
 
 ARGS = dict(model="smollm2-135m-instruct", lora_r=16, lora_top_layers=None, template="compact",
-            sft_learning_rate=1e-3, sft_batch_size=16, warmup_steps=2, train_pairs=5000, val_pairs=32,
-            eval_every=5, learning_rate=1e-4, temperature=1.0, num_generations=8)  # fmt: skip
+            sft_learning_rate=1e-3, sft_batch_size=16, warmup_steps=2, train_pairs=5000, val_pairs=128,
+            eval_every=10, warm_val_pairs=32, warm_eval_every=5, learning_rate=1e-4, temperature=1.0,
+            num_generations=8, reward="alignment", guidance=0.0)  # fmt: skip
 
 
 def name(**changes) -> str:
@@ -23,11 +24,14 @@ def name(**changes) -> str:
 
 
 @pytest.mark.parametrize("change", [{"lora_top_layers": 8}, {"lora_r": 8}, {"sft_learning_rate": 3e-4},
-                                    {"sft_batch_size": 32}, {"train_pairs": 500}, {"template": "chat"}])  # fmt: skip
+                                    {"sft_batch_size": 32}, {"train_pairs": 500}, {"template": "chat"},
+                                    {"warm_val_pairs": 64}, {"warm_eval_every": 10}])  # fmt: skip
 def test_a_setting_that_shapes_the_warm_start_names_another_file(change):
     assert name(**change) != name()
 
 
 def test_grpo_settings_share_the_warm_start():
     assert name(learning_rate=1e-3, temperature=0.7, num_generations=16) == name()
+    # the arms' own held-out evaluations and what they train with do not shape the warm start
+    assert name(val_pairs=64, eval_every=5, reward="both_streams", guidance=0.5) == name()
     assert name().startswith("warm-smollm2-135m-instruct-0-10-60-0.5-") and name().endswith(".ckpt")
