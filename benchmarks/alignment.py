@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
 import time
@@ -23,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pydoc_data.topics import topics
 
 import edlib
+from provenance import provenance
 from rapidfuzz.distance import Levenshtein
 
 from interleave_model.evaluation.alignment import (
@@ -113,7 +113,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "alignment",
-                "python": platform.python_version(),
+                **provenance(),
                 "cpus": os.cpu_count(),
                 "pairs": args.pairs,
                 "edit_rate": EDIT_RATE,

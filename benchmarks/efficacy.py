@@ -28,8 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +35,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from provenance import provenance
 
 from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
@@ -316,11 +315,9 @@ def main() -> None:
     args.warm_eval_every = args.warm_eval_every or args.eval_every
     torch.set_num_threads(args.threads)
     ladder = args.ladder
-    context = {
-        "command": " ".join(["python", *sys.argv]), "commit": _commit(), "python": platform.python_version(),
-        "torch": torch.__version__, "cpu": _cpu_model(), "threads": args.threads,
-        "settings": {k: v for k, v in vars(args).items() if k not in ("arms", "seeds")},
-    }  # fmt: skip
+    context = provenance(args.threads) | {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("arms", "seeds")}
+    }
     with tempfile.TemporaryDirectory() as folder:
         args.cache_dir = os.path.join(folder, "cache")
         for seed in args.seeds:
@@ -342,29 +339,6 @@ def main() -> None:
                 path, start = warm[kind]
                 out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
                 print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)
-
-
-def _commit() -> str | None:
-    """The checkout's commit, with "+dirty" when files differ from it; None outside a git checkout."""
-    here = Path(__file__).parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty else "")
-
-
-def _cpu_model() -> str:
-    """The CPU's model name (Linux), else what `platform` knows."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

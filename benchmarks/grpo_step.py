@@ -21,12 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
 import tempfile
 import time
+
+from provenance import provenance
 
 # Everything heavy (torch, lightning, transformers) is imported inside the functions, so that `vs_trl.py` can share
 # the reporting helpers below without charging TRL's process with this project's imports.
@@ -267,10 +268,8 @@ def main(argv: list[str] | None = None) -> dict:
         shape = args.model
     report = {
         "benchmark": "grpo_step",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **provenance(),
         "cpus": os.cpu_count(),
-        "threads": torch.get_num_threads(),
         "model": shape,
         "precision": "bf16-mixed" if args.bf16 else "32-true",
         "gradient_checkpointing": args.gradient_checkpointing,

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import provenance
 from tokenizers.processors import TemplateProcessing
 
 from interleave_data.corpus import load_corpus
@@ -238,7 +239,7 @@ def main() -> None:
     print(json.dumps({
         "benchmark": "levers", "lever": lever, "arch": args.arch, "start": args.start, "steps": steps, "lr": lr,
         "lengths": [min(lengths), max(lengths)], "random_share": args.random_share, "seed": args.seed,
-        "curve": curve, "seconds": round(time.perf_counter() - started, 1), "torch": torch.__version__,
+        "curve": curve, "seconds": round(time.perf_counter() - started, 1), **provenance(),
     }))  # fmt: skip
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import tokenizers
+from provenance import provenance
 
 ROOT = Path(__file__).parents[1]
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         "examples": sum(len(dm.examples(n, split)) for n in lengths(dm) for split in ("train", "val", "test")),
         "data_s": round(data_s, 2),
         **results,
-        "python": platform.python_version(),
+        **provenance(),
         "tokenizers": tokenizers.__version__,
         "tokenizers_parallelism": os.environ.get("TOKENIZERS_PARALLELISM"),
         "cpus": os.cpu_count(),

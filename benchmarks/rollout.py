@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from provenance import provenance
 
 
 def prompts(tokenizer, words: int, n: int):
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
                           "vllm": timed(engine.rollout, args.repeats, **kwargs)}  # fmt: skip
     engine.close()
     result = {"benchmark": "rollout", "model": "llama3 fixture" if args.model is None else folder,
-              "device": "cpu", "machine": platform.processor() or platform.machine(), "prompts": args.prompts,
+              "device": "cpu", **provenance(), "prompts": args.prompts,
               "generations": args.generations, "lengths": lengths}  # fmt: skip
     print(json.dumps(result))
     return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 from grpo_step import budget, mark, rss_mb, summarize
+from provenance import provenance
 
 HERE = Path(__file__).resolve().parent
 ENV = {
@@ -245,7 +245,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.trl_worker:
         print(json.dumps(trl_worker(args)))
         return {}
-    import torch
     import trl
 
     runs = {words: {"ours": [], "trl": []} for words in args.words}
@@ -261,11 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     results = {str(words): compare(by_framework) for words, by_framework in runs.items()}
     report = {
         "benchmark": "vs_trl",
-        "python": platform.python_version(),
-        "torch": torch.__version__,
+        **provenance(args.threads),
         "trl": trl.__version__,
         "cpus": os.cpu_count(),
-        "threads": args.threads or torch.get_num_threads(),
         "model": f"tiny llama h{args.hidden_size} l{args.layers} a{args.heads} mlp{args.mlp}"
         if args.base == "tiny"
         else args.base,

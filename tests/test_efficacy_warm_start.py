@@ -1,15 +1,18 @@
 """benchmarks/efficacy.py keeps warm starts between processes (`--warm-dir`): one is reused only by runs whose settings
-built the same weights."""
+built the same weights; and every benchmark's JSON line carries its command, commit and machine."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("efficacy", Path(__file__).parent.parent / "benchmarks" / "efficacy.py")
+BENCHMARKS = Path(__file__).parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # as running the script puts its folder first: its helpers import from there
+spec = importlib.util.spec_from_file_location("efficacy", BENCHMARKS / "efficacy.py")
 efficacy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(efficacy)
 
@@ -35,3 +38,13 @@ def test_grpo_settings_share_the_warm_start():
     # the arms' own held-out evaluations and what they train with do not shape the warm start
     assert name(val_pairs=64, eval_every=5, reward="both_streams", guidance=0.5) == name()
     assert name().startswith("warm-smollm2-135m-instruct-0-10-60-0.5-") and name().endswith(".ckpt")
+
+
+def test_a_json_line_carries_its_command_commit_and_machine(monkeypatch):
+    from provenance import provenance
+
+    monkeypatch.setattr(sys, "argv", ["benchmarks/efficacy.py", "--arms", "lift"])
+    line = provenance(threads=1)
+    assert line["command"] == "python benchmarks/efficacy.py --arms lift" and line["threads"] == 1
+    assert line["commit"] is None or len(line["commit"].removesuffix("+dirty")) == 40  # a checkout's HEAD
+    assert line["python"].count(".") == 2 and line["torch"] and line["cpu"]

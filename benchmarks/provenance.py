@@ -1,0 +1,46 @@
+"""What every benchmark's JSON line carries, so that a reader can trace a figure: the command that printed it, the
+commit it ran, and the machine (Python, torch, CPU model, threads)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def provenance(threads: int | None = None) -> dict[str, object]:
+    """The command line, the commit ("+dirty" when tracked files differ from it; None outside a git checkout),
+    Python, torch, the CPU's model name and torch's thread count (`threads` when the caller set another)."""
+    import torch  # here, not above: `vs_trl.py`'s TRL worker imports the benchmarks' helpers before anything heavy
+
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "commit": _commit(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": _cpu_model(),
+        "threads": threads or torch.get_num_threads(),
+    }
+
+
+def _commit() -> str | None:
+    here = Path(__file__).parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty else "")
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (Linux), else what `platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
