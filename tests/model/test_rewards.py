@@ -94,3 +94,17 @@ def test_words_past_the_target_are_penalised():
     # every word right, 5 more: 20 / 25 of the full reward
     assert _both(TARGET + " x y z w v") == pytest.approx(20 / 25)
     assert _both(TARGET + " x y z w v") < _both(TARGET + " x") < _both(TARGET)
+
+
+def test_a_step_aligns_each_completion_once_for_the_reward_and_the_logged_streams():
+    from interleave_model.algorithm.records import stream_stats
+    from interleave_model.evaluation.alignment import align
+
+    answers = [TARGET, " ".join(A), " ".join(A + B)]
+    BothStreamsReward()(answers, [TARGET] * 3, [False] * 3)
+    before = align.cache_info()
+    stats = stream_stats(answers, [TARGET] * 3)
+    after = align.cache_info()
+    assert (after.hits - before.hits, after.misses - before.misses) == (3, 0)
+    # the lookups are the same alignments: A copied, and A then B (all of A in place, one word of B), hold one stream
+    assert stats["train/copy_share"] == pytest.approx(2 / 3)
