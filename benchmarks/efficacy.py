@@ -48,7 +48,8 @@ from interleave_model.run.callbacks import CurriculumCallback
 from interleave_model.settings import grouped_hparams
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
-BATCH_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share", "grad_norm", "grad_clipped")
+SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
+BATCH_KEYS = (*SAMPLE_KEYS, "grad_norm", "grad_clipped")
 # per held-out evaluation, at the first length
 HELD_OUT_KEYS = ("score_stderr", "a_accuracy", "b_accuracy", "length_ratio", "copy_share")
 REWARDS = {"alignment": AlignmentReward, "both_streams": BothStreamsReward}
@@ -248,7 +249,7 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
             "zero_std_share": binned("zero_std"), "identical_share": binned("identical"),
             "zero_std_share_all": round(sum(r["zero_std"] for r in rows) / len(rows), 3),
         }  # fmt: skip
-        out |= {f"sample_{key}": binned_logged(key) for key in BATCH_KEYS[:4]}
+        out |= {f"sample_{key}": binned_logged(key) for key in SAMPLE_KEYS}
         out |= {"grad_norm": binned_logged("grad_norm"), "clipped_share": binned_logged("grad_clipped")}
     if arm in ("curriculum", "direct"):
         history = dm.curriculum.state.history

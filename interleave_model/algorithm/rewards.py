@@ -49,16 +49,16 @@ class BothStreamsReward(RewardFunction):
     The alignment score gives a copy of one fragment 0.5 at every length, so a policy earns half marks without
     interleaving. Here the weaker stream sets the reward, and words past the target's length scale it down:
 
-    ======================================== ========= ===========
-    answer (10-word fragments, 20 words)     alignment both streams
-    ======================================== ========= ===========
-    correct                                  1.000     1.000
-    fragment A copied, nothing else          0.500     0.000
-    two pairs interleaved, then the rest of A 0.600    0.200
-    A then B (concatenated)                  0.100     0.100
-    one wrong word                           0.950     0.900
-    the correct first 14 words, then stop    0.700     0.700
-    ======================================== ========= ===========
+    ========================================= ========= ============
+    answer (10-word fragments, 20 words)      alignment both streams
+    ========================================= ========= ============
+    correct                                   1.000     1.000
+    fragment A copied, nothing else           0.500     0.000
+    two pairs interleaved, then the rest of A 0.600     0.200
+    A then B (concatenated)                   0.100     0.100
+    one wrong word                            0.950     0.900
+    the correct first 14 words, then stop     0.700     0.700
+    ========================================= ========= ============
 
     Stream accuracies come from the alignment's optimal path (`alignment.Alignment`): target words at even
     positions are fragment A's, odd ones fragment B's.
