@@ -217,8 +217,8 @@ class InterleaveDataModule(LightningDataModule):
 
         Returns:
             ``prompt_ids`` and ``prompt_mask`` (LongTensor [B, P], mask 1 on real tokens), ``prompts``,
-            ``targets``, ``target_ids`` (each target's token ids, no special tokens), ``ids``, ``n_words`` (lists
-            of length B) and ``phase``.
+            ``targets``, ``a`` and ``b`` (the fragments), ``target_ids`` (each target's token ids, no special
+            tokens), ``ids``, ``n_words`` (lists of length B) and ``phase``.
         """
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -237,6 +237,8 @@ class InterleaveDataModule(LightningDataModule):
             "prompt_mask": encoded["attention_mask"].long(),  # [B, P]
             "prompts": prompts,
             "targets": targets,
+            "a": [e.a for e in examples],
+            "b": [e.b for e in examples],
             "target_ids": tokenizer(targets, add_special_tokens=False)["input_ids"],  # B lists of ints
             "ids": [e.id for e in examples],
             "n_words": [e.n_words for e in examples],

@@ -27,7 +27,7 @@ from interleave_model.algorithm.logprobs import (
 )
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
-from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction, combine
+from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.evaluation.evaluator import Evaluator
@@ -110,7 +110,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
 
     def __init__(
         self,
-        model_name_or_path: str = TINY,
+        model_name_or_path: str | None = TINY,
         tiny: TinyModelConfig | None = None,
         corpus: list[str] | None = None,
         template: TemplateName = "two_processes",
@@ -257,8 +257,10 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         with eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
             roll = self._rollout(batch, G, sampling.temperature, self._generator())
         rolled = time.perf_counter()
-        targets = [t for t in batch["targets"] for _ in range(G)]
-        rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist())
+        each = lambda values: [v for v in values for _ in range(G)]  # noqa: E731  a prompt's value for each of its G rows
+        targets = each(batch["targets"])
+        fields = {name: each(batch[name]) for name in FIELDS if name in batch}
+        rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist(), **fields)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
         advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
         scored = time.perf_counter()

@@ -15,7 +15,7 @@ from interleave_model.algorithm import grpo
 from interleave_model.algorithm.logprobs import sft_inputs
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.model.policy import LoraSettings, as_reference
-from tests.model.test_rewards import Constant
+from tests.model.test_rewards import Constant, Recording
 
 
 class CompletionLength(RewardFunction):
@@ -138,6 +138,18 @@ def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_da
     trajectory, stats = module.generate_trajectory(batch)
     assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
     assert stats["train/reward_constant"] == 0.25 and stats["train/reward_constant_2"] == 0.5
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_rewards_see_each_completions_prompt_fragments_and_length(make_module, make_datamodule):
+    reward = Recording()
+    module = make_module(rewards=[reward], beta=0.0, num_generations=3)
+    batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
+    module.generate_trajectory(batch)
+    each = lambda values: [v for v in values for _ in range(3)]  # noqa: E731  group-major, as the completions
+    assert reward.fields == {name: each(batch[name]) for name in ("prompts", "a", "b", "n_words", "ids")}
+    for prompt, a, b in zip(reward.fields["prompts"], reward.fields["a"], reward.fields["b"], strict=True):
+        assert a in prompt and b in prompt  # the fragments are the prompt's
 
 
 def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_module, make_datamodule, monkeypatch):

@@ -51,6 +51,42 @@ def test_a_function_returning_the_wrong_count_is_refused():
         combine([Short()], ["a", "b"], ["a", "b"], [False, False])
 
 
+class Recording(RewardFunction):
+    """Keeps the keyword arguments it was called with (TRL's convention: `**kwargs`); rewards 0."""
+
+    name = "recording"
+
+    def __call__(self, completions, targets, truncated, **fields):
+        self.fields = fields
+        return [0.0] * len(completions)
+
+
+FIELDS = {"prompts": ["Q1", "Q2"], "a": ["x y", "u v"], "b": ["1 2", "3 4"], "n_words": [2, 2], "ids": ["i", "j"]}
+
+
+def test_a_reward_taking_kwargs_gets_every_field_by_name():
+    reward = Recording()
+    combine([reward], ["x 1", "u"], ["x 1 y 2", "u 3 v 4"], [False, True], **FIELDS)
+    assert reward.fields == FIELDS
+
+
+def test_a_reward_naming_some_fields_gets_those_alone():
+    class ReadsThePrompt(RewardFunction):
+        def __call__(self, completions, targets, truncated, *, prompts, a):
+            self.seen = prompts, a
+            return [float(p.endswith("2")) for p in prompts]
+
+    reward = ReadsThePrompt()
+    total, _ = combine([reward], ["x 1", "u"], ["x 1 y 2", "u 3 v 4"], [False, False], **FIELDS)
+    assert total == [0.0, 1.0] and reward.seen == (FIELDS["prompts"], FIELDS["a"])
+
+
+def test_a_three_argument_reward_and_the_shipped_ones_score_alike_with_fields():
+    completions, targets, cut = ["x 1 y 2", "u"], ["x 1 y 2", "u 3 v 4"], [False, True]
+    functions = [Constant(0.5), AlignmentReward(), BothStreamsReward(), FormatReward()]  # Constant takes 3 arguments
+    assert combine(functions, completions, targets, cut, **FIELDS) == combine(functions, completions, targets, cut)
+
+
 A = [f"a{i}" for i in range(10)]
 B = [f"b{i}" for i in range(10)]
 TARGET = " ".join(w for pair in zip(A, B, strict=True) for w in pair)  # 20 words
