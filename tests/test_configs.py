@@ -31,7 +31,7 @@ ATOMIC = "interleave_model.model.checkpoint.AtomicCheckpointIO"
 
 
 def test_configs_are_shipped():
-    assert {"demo.yaml", "llama-3.2-3b.yaml"} <= {c.name for c in CONFIGS}
+    assert {"demo.yaml", "llama-3.2-3b.yaml", "llama-3.2-3b-curriculum.yaml"} <= {c.name for c in CONFIGS}
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
@@ -116,3 +116,30 @@ def test_a_config_that_checkpoints_writes_atomically(config):
     plugins = plugins if isinstance(plugins, list) else [plugins]
     plugins = [p["class_path"] if isinstance(p, dict) else p for p in plugins]
     assert trainer.get("enable_checkpointing") is False or ATOMIC in plugins
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_a_config_with_several_stages_has_the_callback_that_moves_between_them(config):
+    """Without `CurriculumCallback` a multi-stage config trains its first stage for ever: nothing acts on the
+    curriculum's decisions."""
+    tree = yaml.safe_load(config.read_text())
+    stages = tree.get("data", {}).get("stages") or [10]
+    callbacks = [c["class_path"] for c in tree["trainer"].get("callbacks") or []]
+    if len(stages) > 1:
+        assert "interleave_model.run.callbacks.CurriculumCallback" in callbacks
+
+
+GPU_CONFIGS = [c for c in CONFIGS if c.name.startswith("llama-3.2-3b")]
+
+
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
+@pytest.mark.parametrize("subcommand", ["fit", "validate", "check"])
+def test_the_3b_configs_ask_for_the_model_in_one_line(config, subcommand, tmp_path, capsys):
+    """They ship no model path: a command without `--model.model_name_or_path` names the flag (exit 2), on any
+    machine, before anything else is said or built."""
+    from cli import run
+    from interleave_model.runtime.machine import NO_MODEL
+
+    assert run([subcommand, "--config", str(config), f"--trainer.default_root_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"error: {NO_MODEL}"]
+    assert not any(tmp_path.iterdir())

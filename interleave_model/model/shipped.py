@@ -70,9 +70,11 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "interleave-grpo"
 
 
-def resolve_model(name_or_path: str) -> str:
+def resolve_model(name_or_path: str | None) -> str:
     """The folder `from_pretrained` loads for `name_or_path`: a shipped model's cached folder, built on first use;
     any other name or path is returned as it is."""
+    if name_or_path is None:
+        raise PolicyError("model_name_or_path is None: name a model folder, a hub name, a shipped model or 'tiny'")
     spec = SHIPPED.get(name_or_path)
     if spec is None:
         return name_or_path

@@ -25,6 +25,12 @@ from interleave_model.runtime.compat import cpu_has_bf16
 GPU_ACCELERATORS = ("gpu", "cuda")
 
 
+NO_MODEL = (
+    "model.model_name_or_path is not set: pass --model.model_name_or_path with your model's folder "
+    "(e.g. /models/Llama-3.2-3B-Instruct) or a hub name"
+)
+
+
 class MachineError(ValueError):
     """An option this machine cannot honour, with what to change; the CLI prints it as one `error:` line."""
 
@@ -38,10 +44,13 @@ def warn(line: str) -> None:
 def settle(config, subcommand: str) -> None:
     """Fit a command's parsed config (`trainer`, `model`) to this machine, in place.
 
-    Refused: a GPU accelerator without a GPU; `model.rollout_engine: vllm` without vLLM installed, except in `check`,
-    which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions.
+    Refused: no model named (`model.model_name_or_path: null`, as the 3B configs ship); a GPU accelerator without a
+    GPU; `model.rollout_engine: vllm` under FSDP (the engine takes whole weights), or without vLLM installed, except in
+    `check`, which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions.
     """
     trainer, model = config.trainer, config.model
+    if model.model_name_or_path is None:  # a config that names no model (the 3B ones) makes the user name theirs
+        raise MachineError(NO_MODEL)
     accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
     cuda = torch.cuda.is_available()
     if accelerator in GPU_ACCELERATORS and not cuda:
@@ -54,6 +63,12 @@ def settle(config, subcommand: str) -> None:
         warn(f"trainer.precision: {precision} needs a CPU with bf16 instructions (AVX512-BF16 or AMX); "
              "this one has none, so the run uses 32-true")  # fmt: skip
         trainer.precision = "32-true"
+    strategy = trainer.strategy if isinstance(trainer.strategy, str) else getattr(trainer.strategy, "class_path", "")
+    if model.rollout_engine == "vllm" and "fsdp" in str(strategy).lower():
+        raise MachineError(
+            f"trainer.strategy {strategy!r} shards the weights, which the colocated vLLM engine cannot be handed: "
+            "run FSDP with --model.rollout_engine own, or vLLM with --trainer.strategy ddp"
+        )
     if model.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
         if subcommand != "check":
             raise MachineError(

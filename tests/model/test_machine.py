@@ -18,9 +18,9 @@ CUDA = SimpleNamespace(device_type="cuda", is_sleep_mode_available=lambda: True,
 GPU_SETTINGS = VllmSettings(max_model_len=4096, enforce_eager=False, enable_sleep_mode=True)  # configs/llama-3.2-3b
 
 
-def _config(accelerator="cpu", precision=None, rollout_engine="own") -> Namespace:
-    return Namespace(trainer=Namespace(accelerator=accelerator, precision=precision),
-                     model=Namespace(rollout_engine=rollout_engine))  # fmt: skip
+def _config(accelerator="cpu", precision=None, rollout_engine="own", strategy="auto", model="tiny") -> Namespace:
+    return Namespace(trainer=Namespace(accelerator=accelerator, precision=precision, strategy=strategy),
+                     model=Namespace(rollout_engine=rollout_engine, model_name_or_path=model))  # fmt: skip
 
 
 def _warnings(capsys) -> list[str]:
@@ -37,6 +37,19 @@ def no_gpu(monkeypatch):
 def no_vllm(monkeypatch):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
+
+@pytest.mark.parametrize("accelerator", ["gpu", "cpu"])
+def test_no_model_named_is_refused_first_with_the_flag_to_pass(accelerator, no_gpu):
+    with pytest.raises(MachineError, match="^model.model_name_or_path is not set: pass --model.model_name_or_path"):
+        settle(_config(accelerator, model=None), "fit")  # before the GPU's absence is mentioned
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", Namespace(class_path="lightning.pytorch.strategies.FSDPStrategy")])
+def test_fsdp_with_the_vllm_engine_is_refused_with_what_to_change(strategy):
+    with pytest.raises(MachineError, match="cannot be handed: run FSDP with --model.rollout_engine own"):
+        settle(_config(rollout_engine="vllm", strategy=strategy), "fit")
+    settle(_config(rollout_engine="own", strategy=strategy), "fit")  # FSDP with the own sampler runs
 
 
 @pytest.mark.parametrize("accelerator", ["gpu", "cuda"])
