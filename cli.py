@@ -15,6 +15,7 @@ from lightning.pytorch.cli import LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_model.generation.vllm_engine import close_engines
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
@@ -180,10 +181,13 @@ def run(args: list[str] | None = None) -> int:
     finally:
         # Lightning leaves a DDP run's process group up; torn down by the interpreter's exit instead, gloo's threads
         # can abort the process ("terminate called without an active exception", exit -6) after a finished fit. A
+        # rank's vLLM engine goes first: its shutdown tears down the groups it joined, the default one included. A
         # group of one is vLLM's, in this process, and stays with its engine.
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed and torch.distributed.get_world_size() > 1:
-            torch.distributed.destroy_process_group()
+            close_engines()
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
     return 0
 
 

@@ -100,30 +100,27 @@ def test_resume_on_the_engine(fitted, folder, tmp_path):
     assert Path(cli.trainer.log_dir).is_relative_to(copy)
 
 
-def _check_args(folder: Path, cache: Path) -> list[str]:
-    """`check` of configs/llama-3.2-3b.yaml (vLLM, with options a CPU turns off) on `folder`, kept small."""
-    return ["check", "--config", str(ROOT / "configs" / "llama-3.2-3b.yaml"), f"--model.model_name_or_path={folder}",
+def _check_args(folder: Path, cache: Path, config: str = "llama-3.2-3b.yaml") -> list[str]:
+    """`check` of a 3B config (vLLM, with options a CPU turns off) on `folder`, kept small."""
+    return ["check", "--config", str(ROOT / "configs" / config), f"--model.model_name_or_path={folder}",
             "--model.vllm.kv_cache_memory_bytes=33554432", "--data.eval_stages=[10]", "--data.train_pairs=4",
             "--data.val_pairs=2", f"--data.cache_dir={cache}"]  # fmt: skip
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU cannot do: sleep mode, CUDA graphs")
-def test_check_of_the_gpu_config_on_a_cpu_turns_off_what_it_cannot_do(family_folders, tmp_path, capsys, monkeypatch):
-    """configs/llama-3.2-3b.yaml on a CPU: sleep mode off, no CUDA graphs, the engine's length cut to the model's
-    (the Llama fixture has 2,048 positions, the config asks for 4,096), and bf16-mixed precision on a CPU without bf16
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU cannot do: CUDA graphs, bf16")
+@pytest.mark.parametrize("config", ["llama-3.2-3b.yaml", "llama-3.2-3b-curriculum.yaml"])
+def test_check_of_the_gpu_configs_on_a_cpu_turns_off_what_it_cannot_do(config, family_folders, tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """A 3B config on a Llama-3-shaped folder on a CPU: no CUDA graphs, the engine's length cut to the model's (the
+    Llama fixture has 2,048 positions, the config asks for 4,096), and bf16-mixed precision on a CPU without bf16
     instructions (made so here: the test must not depend on the CPU it runs on), one warning line each; then the
-    report."""
+    report. Sleep mode is off in both configs, so nothing is said of it."""
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
-    assert run(_check_args(family_folders["llama3"], tmp_path)) == 0
+    assert run(_check_args(family_folders["llama3"], tmp_path, config)) == 0
 
     captured = capsys.readouterr()
     warnings = [line.split(":")[1].strip() for line in captured.err.splitlines() if line.startswith("warning:")]
-    expected = [
-        "trainer.precision",
-        "model.vllm.enable_sleep_mode",
-        "model.vllm.enforce_eager",
-        "model.vllm.max_model_len",
-    ]
+    expected = ["trainer.precision", "model.vllm.enforce_eager", "model.vllm.max_model_len"]
     assert sorted(warnings) == sorted(expected)
     assert "round trip of the target words: ok" in captured.out and "greedy answer:" in captured.out
 
@@ -200,3 +197,25 @@ def test_the_engine_says_only_its_errors_unless_loglevel(family_folders, tmp_pat
     loud = _console(args, LOGLEVEL="INFO")
     assert loud.returncode == 0, loud.stderr
     assert _vllm_levels(loud.stdout) == [] and "INFO" in _vllm_levels(loud.stderr)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="two CPU ranks (gloo)")
+def test_two_ranks_fit_on_their_own_engines_and_exit_clean(family_folders, tmp_path):
+    """configs/llama-3.2-3b.yaml under DDP on two CPU processes, each rank with its colocated engine (vLLM's
+    `external_launcher`, which reads RANK and LOCAL_RANK: Lightning's launcher does not export them all), LoRA served;
+    each engine shuts down before the process group does, so no rank prints a traceback at exit."""
+    command = [
+        sys.executable, "cli.py", "fit", "--config", str(ROOT / "configs" / "llama-3.2-3b.yaml"),
+        f"--model.model_name_or_path={family_folders['llama3']}", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        "--trainer.strategy=ddp", "--trainer.precision=32-true", "--model.dtype=float32", "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path}",
+        "--data.train_pairs=8", "--data.val_pairs=2", "--data.eval_stages=[10]", "--data.batch_size=1",
+        "--model.sampling.num_generations=2", "--trainer.logger=false", "--trainer.callbacks=null", *ENGINE,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run(command, cwd=ROOT, env=env | {"OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "fit done: step 2/2" in done.stdout

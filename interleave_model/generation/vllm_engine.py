@@ -30,6 +30,34 @@ os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
 logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
 
 
+# the engines alive in this process, for `close_engines`
+ENGINES: weakref.WeakSet[VllmEngine] = weakref.WeakSet()
+
+
+def close_engines() -> None:
+    """Shut down every engine of this process. A DDP run calls it after training, while the process group still
+    stands: left to the interpreter's exit, an engine's shutdown would tear down groups already gone (a traceback per
+    rank after a finished run)."""
+    for engine in list(ENGINES):
+        engine.close()
+
+
+def no_autocast() -> torch.autocast:
+    """Autocast off on this machine's device type: Lightning's mixed precision must not reach into the engine's
+    forward passes (their dtype is the engine's own)."""
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", enabled=False)
+
+
+def launcher_environment() -> dict[str, str]:
+    """This process's place in the training's process group, as vLLM's `external_launcher` reads it (`RANK`,
+    `LOCAL_RANK`, `WORLD_SIZE`: torchrun's variables). Lightning's own launcher and its SLURM environment do not
+    export them all, so they are written from the group itself (as TRL does); a `LOCAL_RANK` already set is kept, else
+    the process's CUDA device, else (on a CPU, one machine) the rank."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    local = os.environ.get("LOCAL_RANK") or str(torch.cuda.current_device() if torch.cuda.is_available() else rank)
+    return {"RANK": str(rank), "LOCAL_RANK": local, "WORLD_SIZE": str(world)}
+
+
 @dataclass
 class VllmSettings:
     """The vLLM engine's options (`model.rollout_engine: vllm`).
@@ -48,6 +76,10 @@ class VllmSettings:
             between the trainer's and the engine's log-probs (TRL's `vllm_importance_sampling_correction`): the
             engine's numerics (bf16 kernels, another attention) sample from a slightly different policy.
         importance_sampling_cap: Upper bound of that ratio (TRL's `vllm_importance_sampling_cap`).
+        seed_each_request: Give every prompt of a rollout its own seed, drawn from the trainer's generator, so a
+            rollout is reproducible from the generator's state (a resumed run samples what the first one would have).
+            Seeded requests take vLLM's one-request-at-a-time sampling path, slower on a GPU; off (as in TRL), the
+            engine's own stream, seeded once at its start, draws every rollout.
     """
 
     gpu_memory_utilization: float = 0.3
@@ -58,6 +90,7 @@ class VllmSettings:
     max_lora_rank: int | None = None
     importance_sampling_correction: bool = False
     importance_sampling_cap: float = 2.0
+    seed_each_request: bool = False
 
 
 class VllmEngine:
@@ -74,7 +107,8 @@ class VllmEngine:
         model_path: The folder (or hub name) the policy was loaded from; None writes the policy's base to a folder.
         stop_token_ids: Tokens that end a completion.
         settings: The engine's options.
-        seed: Seed of the engine's own sampling stream (rollouts given a generator draw per-prompt seeds from it).
+        seed: Seed of the engine's own sampling stream (with `seed_each_request`, rollouts given a generator draw
+            per-prompt seeds from it instead).
     """
 
     def __init__(
@@ -116,22 +150,25 @@ class VllmEngine:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if torch.distributed.get_world_size() > 1:
                 options["distributed_executor_backend"] = "external_launcher"
-        self.llm = vllm.LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
-            seed=seed,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            enable_sleep_mode=settings.enable_sleep_mode,
-            enable_prefix_caching=True,  # the G completions of a prompt share its prefill
-            generation_config="vllm",  # sampling follows the trainer's settings, not the folder's defaults
-            logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
-            use_tqdm_on_load=hf_logging.is_progress_bar_enabled(),  # bars as the console wants them (LOGLEVEL)
-            **options,
-        )
+                os.environ.update(launcher_environment())
+        with no_autocast():  # the engine keeps its own dtype, whatever the trainer's precision plugin has on
+            self.llm = vllm.LLM(
+                model=model_path,
+                tokenizer=model_path,
+                dtype=str(next(base.parameters()).dtype).removeprefix("torch."),
+                seed=seed,
+                gpu_memory_utilization=settings.gpu_memory_utilization,
+                kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+                max_model_len=settings.max_model_len,
+                enforce_eager=settings.enforce_eager,
+                enable_sleep_mode=settings.enable_sleep_mode,
+                enable_prefix_caching=True,  # the G completions of a prompt share its prefill
+                generation_config="vllm",  # sampling follows the trainer's settings, not the folder's defaults
+                logprobs_mode="processed_logprobs",  # log-probs after temperature, as the trainer computes them
+                use_tqdm_on_load=hf_logging.is_progress_bar_enabled(),  # bars as the console wants them (LOGLEVEL)
+                **options,
+            )
+        ENGINES.add(self)
         self._vllm = vllm
         self.settings = settings
         self.sleep_mode = settings.enable_sleep_mode
@@ -143,16 +180,26 @@ class VllmEngine:
         """Make the engine sample from `policy`'s current weights, unless it already holds `version` of them."""
         if version == self.version:
             return
-        if self._asleep:
-            self.llm.wake_up()
-            self._asleep = False
+        asleep = self._asleep
+        if asleep:  # the weights first, the KV cache after the new weights are in: a lower peak (TRL's order)
+            self._wake(["weights"])
         if self.lora:
             self._load_adapter(policy)
         else:
             self._push_weights(policy)
+        if asleep:
+            self._wake(["kv_cache"])
+            self._asleep = False
         # cached prefixes hold keys and values of the old weights
         self.llm.reset_prefix_cache()
         self.version = version
+
+    def _wake(self, tags: list[str]) -> None:
+        """Take back the engine's memory for `tags`. The update's blocks still cached by PyTorch's allocator go back
+        to the GPU first: without that, a card with room for one of the two but not both runs out of memory."""
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self.llm.wake_up(tags=tags)
 
     def sleep(self) -> None:
         """Give the engine's GPU memory to the update (sleep mode); `serve` wakes it."""
@@ -198,21 +245,22 @@ class VllmEngine:
         Args:
             prompt_ids: Left-padded prompts, [P, Lp].
             prompt_mask: 1 for real prompt tokens, [P, Lp].
-            generator: Draws one seed per prompt, so a rollout is reproducible from the generator's state.
+            generator: With `seed_each_request`, draws one seed per prompt, so a rollout is reproducible from the
+                generator's state; otherwise unused (the engine's own stream samples).
 
         Returns:
             The `Rollout`, with `logprobs` [P*G, C]: the engine's log-probs of the sampled tokens (0 on padding;
             None when greedy).
         """
         if self._asleep:
-            self.llm.wake_up()
+            self._wake(["weights", "kv_cache"])
             self._asleep = False
         G = num_generations
         greedy = temperature == 0
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
                    for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]  # fmt: skip
         seeds = [None] * len(prompts)
-        if generator is not None and not greedy:
+        if generator is not None and not greedy and self.settings.seed_each_request:
             seeds = torch.randint(2**31 - 1, (len(prompts),), generator=generator).tolist()
         n = G
         if greedy:  # vLLM samples a greedy answer once per request: the group is G requests of one answer
@@ -233,7 +281,8 @@ class VllmEngine:
             )  # fmt: skip
             for seed in seeds
         ]
-        outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+        with no_autocast():
+            outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
         rows = [completion for request in outputs for completion in request.outputs]  # group-major
         return self._record(prompt_ids, prompt_mask, rows, G, with_logprobs=not greedy)
 
@@ -266,6 +315,11 @@ class VllmEngine:
         )
 
     def close(self) -> None:
-        """Free the engine and its temporary folder."""
+        """Shut the engine down now and free its temporary folder. Its shutdown tears down the process groups it
+        joined, the default one included (`vllm.distributed.cleanup_dist_env_and_memory`): under DDP that must come
+        after the trainer's last collective and before the interpreter's exit (`close_engines`)."""
         shutil.rmtree(self._workdir, ignore_errors=True)
-        del self.llm
+        if self.llm is not None:
+            self.llm.llm_engine.engine_core.shutdown()
+            self.llm = None
+        ENGINES.discard(self)
