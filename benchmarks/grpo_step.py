@@ -102,6 +102,31 @@ def summarize(records: list[dict[str, float]], warmup: int, max_new_tokens: int 
     }
 
 
+def time_phases(module, start=dict) -> list[dict[str, float]]:
+    """Wrap `module`'s rollout and update so that each GRPO step appends one record: `start()` as its rollout begins,
+    then the rollout, reward and update seconds the module measured (all `num_iterations` updates), its mean reward,
+    its completion tokens (through EOS) and the rollout's width (decoding steps)."""
+    records: list[dict[str, float]] = []
+    generate_trajectory, grpo_step = module.generate_trajectory, module.grpo_step
+
+    def timed_generate(batch):
+        records.append(start())
+        trajectory, stats = generate_trajectory(batch)
+        records[-1] |= {"rollout_s": stats["time/rollout_s"], "reward_s": stats["time/reward_s"],
+                        "reward_mean": stats["train/reward_mean"],
+                        "generated_tokens": float(trajectory.completion_mask.sum()),
+                        "width": trajectory.completion_ids.shape[1]}  # fmt: skip
+        return trajectory, stats
+
+    def timed_update(trajectory, batch):
+        stats = grpo_step(trajectory, batch)
+        records[-1]["update_s"] = records[-1].get("update_s", 0.0) + stats["time/update_s"]
+        return stats
+
+    module.generate_trajectory, module.grpo_step = timed_generate, timed_update
+    return records
+
+
 def mark() -> dict[str, float]:
     """A step's start: wall clock, CPU time and resident memory."""
     return {"start": time.perf_counter(), "cpu": time.process_time(), "rss": rss_mb()[0]}
@@ -179,23 +204,7 @@ def measure(args: argparse.Namespace, words: int, cache_dir: str) -> dict:
 
     torch.manual_seed(0)
     model, data = build(args, words, cache_dir)
-    records: list[dict[str, float]] = []
-    generate_trajectory, grpo_step = model.generate_trajectory, model.grpo_step
-
-    def timed_generate(batch):  # a step starts here: its batch was drawn and collated just before
-        records.append(mark())
-        trajectory, stats = generate_trajectory(batch)
-        records[-1] |= {"rollout_s": stats["time/rollout_s"], "reward_s": stats["time/reward_s"],
-                        "generated_tokens": float(trajectory.completion_mask.sum()),
-                        "width": trajectory.completion_ids.shape[1]}  # fmt: skip
-        return trajectory, stats
-
-    def timed_update(trajectory, batch):
-        stats = grpo_step(trajectory, batch)
-        records[-1]["update_s"] = records[-1].get("update_s", 0.0) + stats["time/update_s"]  # all num_iterations
-        return stats
-
-    model.generate_trajectory, model.grpo_step = timed_generate, timed_update
+    records = time_phases(model, mark)  # a step starts at its rollout: its batch was drawn and collated just before
     precision = "bf16-mixed" if args.bf16 else None
     trainer = L.Trainer(
         accelerator=args.accelerator,

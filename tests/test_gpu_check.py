@@ -1,0 +1,87 @@
+"""benchmarks/gpu_check.py: its one-line refusal without a GPU, its phases on a CPU (`--cpu-smoke`), its time guard
+and its bandwidth table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gpu_check)  # stdlib only at import: what the refusal relies on
+
+STEP_KEYS = ("step_s", "rollout_s", "reward_s", "update_s", "generated_tokens", "decode_steps", "tokens_per_s",
+             "rollout_tokens_per_s", "weight_bytes", "hbm_bound_share", "peak_gpu_allocated_mb",
+             "peak_gpu_reserved_mb")  # fmt: skip
+TRACE_KEYS = ("command", "commit", "python", "torch", "cpu", "threads")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs")
+def test_without_a_gpu_it_refuses_in_one_line():
+    done = subprocess.run([sys.executable, str(SCRIPT)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("error: ") and "GPU" in line
+    assert done.stdout == ""
+
+
+@pytest.mark.slow
+def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
+    out = tmp_path / "check.jsonl"
+    command = [sys.executable, str(SCRIPT), "--cpu-smoke", "--out", str(out)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [json.loads(line) for line in done.stdout.splitlines()] == lines  # printed and appended alike
+    assert [line["phase"] for line in lines] == ["environment", "random_model", *["grpo_step"] * 4, "smollm2_fit"]
+    for line in lines:
+        assert "error" not in line, line
+        assert line["benchmark"] == "gpu_check" and line["cpu_smoke"] is True
+        assert all(key in line for key in TRACE_KEYS)
+        assert line["command"].endswith(f"benchmarks/gpu_check.py --cpu-smoke --out {out}")
+        assert line["commit"] is None or len(line["commit"].removesuffix("+dirty")) == 40
+
+    environment = lines[0]
+    assert environment["gpu"] is None and environment["torch"] == torch.__version__
+    assert all(key in environment for key in ("cuda", "vllm", "bf16", "gpu_memory_gib"))
+    steps = {(line["engine"], line["gradient_checkpointing"]): line for line in lines[2:6]}
+    assert set(steps) == {(engine, gc) for engine in ("own", "vllm") for gc in (True, False)}
+    vllm_imports = importlib.util.find_spec("vllm") is not None
+    for (engine, _), step in steps.items():
+        if engine == "vllm" and not vllm_imports:
+            assert "skipped" in step
+            continue
+        assert all(key in step for key in STEP_KEYS), step
+        assert step["step_s"] > 0 and step["rollout_s"] > 0 and step["update_s"] > 0
+        assert 0 < step["generated_tokens"] <= 2 * 4 * step["decode_steps"]  # 2 prompts x 4 completions
+        assert step["tokens_per_s"] > 0 and step["hbm_bound_share"] is None  # no GPU: no bandwidth
+    fit = lines[-1]
+    assert fit["steps"] == 1 and 0.0 <= fit["score_before"] <= 1.0 and 0.0 <= fit["score_after"] <= 1.0
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGALRM: main thread only")
+def test_the_time_guard_stops_a_phase():
+    started = time.perf_counter()
+    with pytest.raises(gpu_check.PhaseTimeout, match="time guard of 1 s"), gpu_check.time_guard(1):
+        time.sleep(10)
+    assert time.perf_counter() - started < 5
+
+
+@pytest.mark.parametrize(
+    "name, bandwidth",
+    [("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12), ("NVIDIA H200", 4.8e12),
+     ("NVIDIA A100-SXM4-80GB", 2.0e12), ("NVIDIA A100 80GB PCIe", 2.0e12), ("NVIDIA A100-SXM4-40GB", None),
+     ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None), (None, None)],
+)  # fmt: skip
+def test_nominal_bandwidth_by_gpu_name(name, bandwidth):
+    assert gpu_check.nominal_bandwidth(name) == bandwidth
