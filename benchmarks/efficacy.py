@@ -71,8 +71,9 @@ class Clock(L.Callback):
     CPU seconds instead of wall seconds: with one torch thread a run's own work, whatever else shares the machine.
     """
 
-    def __init__(self, minutes: float, lengths: list[int], cpu: bool = False):
-        self.budget, self.lengths = minutes * 60, lengths
+    def __init__(self, minutes: float, lengths: list[int], cpu: bool = False, stop_file: str | None = None):
+        self.budget, self.lengths, self.stop_file = minutes * 60, lengths, stop_file
+        self.stopped_early = False  # `stop_file` appeared: the arm ended before its budget
         self.now = time.process_time if cpu else time.perf_counter
         self.started: float | None = None  # when the first GRPO (or, for a supervised arm, the first) batch began
         self.evaluating = 0.0  # seconds of held-out evaluation since `started`
@@ -108,6 +109,8 @@ class Clock(L.Callback):
             })  # fmt: skip
         if self.started is not None and self.training_seconds() >= self.budget:
             trainer.should_stop = True
+        if self.stop_file is not None and os.path.exists(self.stop_file):
+            trainer.should_stop = self.stopped_early = True
 
     def on_validation_end(self, trainer, pl_module):
         if self.started is not None and self._eval_began is not None:
@@ -200,12 +203,12 @@ def warm_start(
     return path, start
 
 
-def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: list[int]) -> dict:
-    """One arm from the warm weights (a checkpoint, or a model folder with `--start`) for `--minutes`; its curve,
-    group statistics and final scores."""
+def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], lengths: list[int]) -> dict:
+    """One arm from the warm weights (a checkpoint, or a model folder with `--start`; None: `--model` untrained) for
+    `--minutes`; its curve, group statistics and final scores."""
     L.seed_everything(seed, verbose=False)
-    start = {"model_name_or_path": str(warm)} if warm.is_dir() else {"init_from": str(warm)}
-    clock = Clock(args.minutes, lengths, cpu=args.clock == "cpu")
+    start = {} if warm is None else {"model_name_or_path": str(warm)} if warm.is_dir() else {"init_from": str(warm)}
+    clock = Clock(args.minutes, lengths, cpu=args.clock == "cpu", stop_file=args.stop_file)
     callbacks: list[L.Callback] = [clock]
     if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
         clock.supervised = True
@@ -236,7 +239,8 @@ def run_arm(args, arm: str, seed: int, warm: Path, stages: list[int], lengths: l
 
     out = {
         "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "clock": args.clock,
-        "steps": trainer.global_step,
+        "steps": trainer.global_step, "stopped_early": clock.stopped_early,
+        "training_minutes": round(clock.training_seconds() / 60, 1),
         "eval_s": round(clock.evaluating, 1),
         "curve": clock.curve, "final": {k: v for k, v in clock.curve[-1].items() if k.endswith("w")},
     }  # fmt: skip
@@ -287,7 +291,9 @@ def main() -> None:
     parser.add_argument("--ladder", type=int, nargs="+", default=[10, 25, 50, 100], help="the curriculum's lengths")
     parser.add_argument("--warm-start-until", type=float, default=0.45, help="held-out score that ends the warm-start")
     parser.add_argument("--max-sft-steps", type=int, default=1500, help="cap of the warm-start of lift and sft")
-    parser.add_argument("--ladder-sft-steps", type=int, default=2000, help="warm-start of curriculum and direct")
+    parser.add_argument(
+        "--ladder-sft-steps", type=int, default=2000, help="warm-start of curriculum and direct; 0: the model untrained"
+    )
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument("--beta", type=float, default=0.01)
@@ -310,6 +316,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=25, help="batches between held-out evaluations")
     parser.add_argument("--warm-val-pairs", type=int, default=None, help="the warm start's; default --val-pairs")
     parser.add_argument("--warm-eval-every", type=int, default=None, help="the warm start's; default --eval-every")
+    parser.add_argument(
+        "--stop-file",
+        default=None,
+        help="when this file appears, the running arm ends, is evaluated and printed; no other starts",
+    )
     parser.add_argument("--bin", type=int, default=50, help="GRPO batches per reported bin")
     args = parser.parse_args()
     args.warm_val_pairs = args.warm_val_pairs or args.val_pairs
@@ -330,6 +341,8 @@ def main() -> None:
                 kind = "task" if at_ten else "mix"
                 if args.start and at_ten:
                     warm[kind] = Path(args.start), {"from": args.start}
+                if not at_ten and args.ladder_sft_steps == 0:
+                    warm[kind] = None, {"sft_steps": 0}
                 if kind not in warm:
                     steps, until = (
                         (args.max_sft_steps, args.warm_start_until) if at_ten else (args.ladder_sft_steps, None)
@@ -340,6 +353,8 @@ def main() -> None:
                 path, start = warm[kind]
                 out = run_arm(args, arm, seed, path, stages, [ladder[0]] if at_ten else ladder)
                 print(json.dumps({"benchmark": "efficacy", **out, "warm_start": start, **context}), flush=True)
+                if out["stopped_early"]:
+                    return
 
 
 if __name__ == "__main__":
