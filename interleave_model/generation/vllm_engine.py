@@ -42,6 +42,17 @@ def close_engines() -> None:
         engine.close()
 
 
+def save_base(policy: torch.nn.Module, tokenizer, folder: str) -> None:
+    """Write `policy`'s base model as a plain `from_pretrained` folder for the engine to load. Under LoRA the base's
+    layers are peft's wrappers: their weights are saved under the plain names (`q_proj.weight`, not
+    `q_proj.base_layer.weight`) and the adapter's are left out (the engine is served the adapter apart)."""
+    base = policy.get_base_model() if is_peft(policy) else policy
+    state = {name.replace(".base_layer.", "."): tensor for name, tensor in base.state_dict().items()
+             if ".lora_" not in name}  # fmt: skip
+    base.save_pretrained(folder, state_dict=state)
+    tokenizer.save_pretrained(folder)
+
+
 def no_autocast() -> torch.autocast:
     """Autocast off on this machine's device type: Lightning's mixed precision must not reach into the engine's
     forward passes (their dtype is the engine's own)."""
@@ -141,8 +152,7 @@ class VllmEngine:
         )
         if model_path is None:
             model_path = str(self._workdir / "model")
-            base.save_pretrained(model_path)
-            tokenizer.save_pretrained(model_path)
+            save_base(policy, tokenizer, model_path)
         options = {}
         if self.lora:
             config = next(iter(policy.peft_config.values()))

@@ -107,3 +107,24 @@ def test_the_launcher_environment_is_the_process_groups(tmp_path, monkeypatch):
     finally:
         torch.distributed.destroy_process_group()
     assert "RANK" not in os.environ  # read, not written: the engine writes it where it uses it
+
+
+def test_the_folder_written_for_the_engine_is_the_plain_base_under_lora(family_folders, tmp_path):
+    """The tiny model has no folder: the engine loads the one `save_base` writes. Under LoRA it must hold the base's
+    weights under plain names (vLLM knows no `base_layer`) and none of the adapter's."""
+    from safetensors.torch import load_file
+
+    from interleave_model.generation.vllm_engine import save_base
+    from interleave_model.model.policy import LoraSettings, apply_lora, load_pretrained
+
+    model, tokenizer = load_pretrained(str(family_folders["llama3"]), dtype="float32")
+    plain = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    save_base(apply_lora(model, LoraSettings(r=2, dropout=0.0)), tokenizer, str(tmp_path))
+    saved = {}
+    for shard in tmp_path.glob("*.safetensors"):
+        saved |= load_file(shard)
+    assert not [name for name in saved if "lora_" in name or "base_layer" in name]
+    assert saved.keys() <= plain.keys() and {n for n in plain if "embed" in n or "proj" in n} <= saved.keys()
+    assert all(torch.equal(saved[name], plain[name]) for name in saved)
+    reloaded, _ = load_pretrained(str(tmp_path), dtype="float32")  # from_pretrained takes it as it is
+    assert all(torch.equal(t, plain[n]) for n, t in reloaded.state_dict().items())
