@@ -1,4 +1,4 @@
-"""Policy, GRPO loss, alignment metric and callbacks for word-interleaving training, in rooms by job
+"""Policy, GRPO loss, alignment metric and callbacks for word-interleaving training, in subpackages by job
 (docs/ARCHITECTURE.md): model/, generation/, algorithm/, evaluation/, preflight/, run/, runtime/.
 
 The modules that once stood flat here keep their old names as aliases: `interleave_model.policy` is the module
@@ -15,11 +15,11 @@ import importlib.util
 import sys
 from types import ModuleType
 
-# old module name -> its room. `evaluation` and `preflight` are rooms of those names now; nothing of theirs was ever
-# pickled into a checkpoint or named by a config.
+# old module name -> its subpackage. `evaluation` and `preflight` are subpackages of those names now; nothing of
+# theirs was ever pickled into a checkpoint or named by a config.
 MOVED = {
-    old: f"{room}.{old}"
-    for room, olds in {
+    old: f"{subpackage}.{old}"
+    for subpackage, olds in {
         "model": ("policy", "checkpoint", "export", "shipped"),
         "generation": ("rollout_cache", "rollout", "vllm_engine", "sampler"),
         "algorithm": ("logprobs", "grpo", "records", "rewards", "dynamic_sampling", "ranks", "schedule", "step_guard"),

@@ -68,7 +68,7 @@ from interleave_model.settings import (
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
-# their paths and under the ones they had before their modules moved into rooms (`interleave_model.MOVED`)
+# their paths and under the ones they had before their modules moved into subpackages (`interleave_model.MOVED`)
 _SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
 torch.serialization.add_safe_globals([*_SETTINGS, *((cls, old_path(cls)) for cls in _SETTINGS)])
 

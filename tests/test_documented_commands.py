@@ -1,5 +1,6 @@
-"""Every command the README's "Everyday commands" and "Your own model" and the configs' comments give does its job on
-this CPU-only machine: it ends with exit 0 and no traceback, unless it is documented as refused on a CPU.
+"""Every command the README's "Everyday commands", "Your own model" and "On a GPU" and the configs' comments give (the
+installed `interleave-grpo` read as `python cli.py`, the same command) does its job on this CPU-only machine: it ends
+with exit 0 and no traceback, unless it is documented as refused on a CPU.
 
 A refusal is documented in the command's own comment, in the words `on a CPU: exit 2, "<words of its error line>"`
 (e.g. `# on a CPU: exit 2, "no GPU: run with --trainer.accelerator cpu"`). Such a command must end with exit 2 and
@@ -31,7 +32,7 @@ import torch
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-SECTIONS = ("Everyday commands", "Your own model")
+SECTIONS = ("Everyday commands", "Your own model", "On a GPU")
 MODEL = "/models/X"  # any model folder a command names; the Llama-3-style fixture when it runs
 # appended to every `python cli.py ...`: two steps (one warm-start, one GRPO), a handful of pairs, one small batch
 CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
@@ -61,7 +62,8 @@ def documented() -> list[tuple[str, str | None]]:
         texts += re.findall(r"```bash\n(.*?)```", body, flags=re.S)
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         texts.append("\n".join(line[1:] for line in config.read_text().splitlines() if line.startswith("#")))
-    found = [line for text in texts for line in re.findall(r"\bpython (?:cli\.py|-m) .*", text.replace("\\\n", " "))]
+    texts = [text.replace("\\\n", " ").replace("interleave-grpo ", "python cli.py ") for text in texts]  # one command
+    found = [line for text in texts for line in re.findall(r"\bpython (?:cli\.py|-m) .*", text)]
     commands = []
     for line in found:
         refusal = REFUSAL.search(line)

@@ -84,19 +84,20 @@ def test_the_graph_sees_the_subpackages():
     assert "interleave_model.model.policy" in graph["interleave_model.generation.sampler"]
 
 
-def _room(module: str) -> str:
-    """The room a module stands in: its subpackage of interleave_model (`interleave_model.algorithm`), else itself."""
+def _subpackage(module: str) -> str:
+    """The subpackage of interleave_model a module is in (`interleave_model.algorithm`), else the module itself."""
     parts = module.split(".")
     return ".".join(parts[:2]) if parts[0] == "interleave_model" and len(parts) > 2 else module
 
 
-def test_no_import_cycle_between_rooms():
-    """The subpackages stand on floors: no room imports one that imports it back, through any files."""
-    rooms: dict[str, set[str]] = {}
+def test_no_import_cycle_between_subpackages():
+    """The subpackages stand in layers: none imports one that imports it back, through any files."""
+    subpackages: dict[str, set[str]] = {}
     for name, deps in _graph().items():
-        rooms.setdefault(_room(name), set()).update(_room(d) for d in deps if _room(d) != _room(name))
-    cycle = _cycle(rooms)
-    assert cycle is None, "rooms import each other: " + " -> ".join(cycle)
+        home = _subpackage(name)
+        subpackages.setdefault(home, set()).update(_subpackage(d) for d in deps if _subpackage(d) != home)
+    cycle = _cycle(subpackages)
+    assert cycle is None, "subpackages import each other: " + " -> ".join(cycle)
 
 
 def test_no_import_cycle():
