@@ -15,7 +15,7 @@ from interleave_model.algorithm import grpo
 from interleave_model.algorithm.logprobs import sft_inputs
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.model.policy import LoraSettings, as_reference
-from tests.model.test_rewards import Constant, Recording
+from tests.model.algorithm.test_rewards import Constant, Recording
 
 
 class CompletionLength(RewardFunction):
