@@ -92,7 +92,9 @@ def test_beta_zero_runs_no_reference(make_module, make_datamodule):
 def test_non_finite_loss_skips_the_step_and_counts_it(make_module, make_datamodule, monkeypatch):
     module = make_module(learning_rate=1e-2)
     datamodule = make_datamodule(module.tokenizer)
-    monkeypatch.setattr("interleave_model.module.combine", lambda fns, c, t, tr: ([float("nan")] * len(c), {}))
+    monkeypatch.setattr(
+        "interleave_model.module.combine", lambda fns, c, t, tr, **fields: ([float("nan")] * len(c), {})
+    )
     before = _snapshot(module.policy)
     trainer = _fit(module, datamodule, steps=2)
     assert module.guard.skipped == 2 and trainer.global_step == 2  # counted, so max_steps still ends the run
@@ -263,7 +265,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
     else:
         rollouts = []
 
-        def second_rollout_is_nan(functions, completions, targets, truncated):
+        def second_rollout_is_nan(functions, completions, targets, truncated, **fields):
             rollouts.append(1)
             return [float("nan") if len(rollouts) == 2 else len(c) / 100 for c in completions], {}
 
