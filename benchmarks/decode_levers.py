@@ -1,0 +1,159 @@
+"""The own sampler's decode step under LoRA, and what each way of running it costs. Prints one JSON line.
+
+One batch of `--rows` rows (prompts of `--prompt-tokens` tokens, `--rows / --generations` groups) is decoded for
+`--new-tokens` steps with `generation.rollout.sample`, no row ever stopping, in each variant:
+
+- `lora`: the peft model as training samples it, under the trainer's autocast (bf16 on a GPU with `--autocast`);
+- `lora_no_autocast`: the same without autocast;
+- `merged`: the adapter merged into the base weights for the rollout (`merge_adapter`, then `unmerge_adapter`; the
+  two are timed in), and `merged_max_logit_diff`, the largest logit difference from `lora` on the prompt's forward;
+- `base`: the base model alone (`disable_adapter`), the floor of any way of running the adapter.
+
+`ms_per_step` is a median over `--repeats` rollouts (after one warm-up) divided by the decode steps.
+`floor_ms_per_step` is the bytes of the weights read once per step over the nominal bandwidth (GPU) and
+`busy_share` the share of a profiled `lora` rollout the device spent in kernels (GPU): well below 1 means the step
+waits on the host (Python and kernel launches), not on memory. The random adapter is initialised away from zero
+(`init_lora_weights=False`), so merging changes the weights as a trained one would.
+
+    python benchmarks/decode_levers.py [--model FOLDER | --random-init llama-3.2-3b] [--rows 64] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+from provenance import provenance
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="a model folder; default: the Llama-3 test fixture")
+    parser.add_argument("--random-init", default=None, help="a random model of this shape (grpo_step.RANDOM_SHAPES)")
+    parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16; default: the folder's")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--generations", type=int, default=16, help="rows per prompt (the cache is shared per group)")
+    parser.add_argument("--prompt-tokens", type=int, default=170)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--lora-r", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--autocast", action="store_true", help="the lora variant under bf16 autocast, as training")
+    parser.add_argument("--threads", type=int, default=None)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from interleave_model.generation.rollout import sample
+    from interleave_model.model.policy import load_pretrained
+
+    args = parse(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with tempfile.TemporaryDirectory() as work:
+        folder = args.model
+        if args.random_init:
+            from grpo_step import random_model_folder
+
+            folder = random_model_folder(args.random_init, work, "compact")
+        elif folder is None:
+            sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
+            from families import build_family  # the Llama-3 test fixture
+
+            folder = str(build_family("llama3", __import__("pathlib").Path(work)))
+        model, tokenizer = load_pretrained(folder, dtype=args.dtype)
+    model = model.to(device)
+    config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
+                        init_lora_weights=False, task_type="CAUSAL_LM")  # fmt: skip
+    model = get_peft_model(model, config).eval()
+    generator = torch.Generator(device=device).manual_seed(0)
+    groups = max(args.rows // args.generations, 1)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompt_ids = torch.randint(3, vocab, (groups, args.prompt_tokens), generator=generator, device=device)
+    prompt_mask = torch.ones_like(prompt_ids)
+    autocast = torch.autocast(device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
+
+    def rollout() -> None:
+        sample(model, prompt_ids, prompt_mask, num_generations=args.generations, max_new_tokens=args.new_tokens,
+               stop_ids=[-1], pad_token_id=0, temperature=1.0, generator=generator)  # fmt: skip
+
+    def timed(run) -> float:
+        run()  # warm-up
+        times = []
+        for _ in range(args.repeats):
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            run()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return round(1000 * statistics.median(times) / args.new_tokens, 3)
+
+    def with_autocast() -> None:
+        with autocast:
+            rollout()
+
+    def merged() -> None:
+        model.merge_adapter()
+        try:
+            rollout()
+        finally:
+            model.unmerge_adapter()
+
+    def base() -> None:
+        with model.disable_adapter():
+            rollout()
+
+    with torch.no_grad():
+        lora_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float()
+        model.merge_adapter()
+        merged_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float()
+        model.unmerge_adapter()
+    record = {
+        "benchmark": "decode_levers",
+        "model": args.random_init or args.model or "llama3 test fixture",
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+        "rows": groups * args.generations,
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "lora_r": args.lora_r,
+        "autocast": args.autocast,
+        "ms_per_step": {
+            "lora": timed(with_autocast),
+            "lora_no_autocast": timed(rollout),
+            "merged": timed(merged),
+            "base": timed(base),
+        },
+        "merged_max_logit_diff": round(float((lora_logits - merged_logits).abs().max()), 5),
+        "logit_scale": round(float(lora_logits.abs().max()), 3),
+    }
+    if device == "cuda":
+        from gpu_check import nominal_bandwidth
+
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        bandwidth = nominal_bandwidth(torch.cuda.get_device_name())
+        record["floor_ms_per_step"] = round(1000 * weight_bytes / bandwidth, 3) if bandwidth else None
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+            start = time.perf_counter()
+            with_autocast()
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+        kernel_s = sum(e.self_device_time_total for e in profile.key_averages()) / 1e6
+        record["busy_share"] = round(kernel_s / wall, 3)
+    record.update(provenance())
+    print(json.dumps(record), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()
