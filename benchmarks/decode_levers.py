@@ -33,7 +33,9 @@ from provenance import provenance
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="a model folder; default: the Llama-3 test fixture")
+    parser.add_argument(
+        "--model", default=None, help="a model folder or a shipped model's name; default: the Llama-3 test fixture"
+    )
     parser.add_argument("--random-init", default=None, help="a random model of this shape (grpo_step.RANDOM_SHAPES)")
     parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16; default: the folder's")
     parser.add_argument("--rows", type=int, default=64)
@@ -53,6 +55,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from interleave_model.generation.rollout import sample
     from interleave_model.model.policy import load_pretrained
+    from interleave_model.model.shipped import resolve_model
 
     args = parse(argv)
     if args.threads:
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
             from families import build_family  # the Llama-3 test fixture
 
             folder = str(build_family("llama3", __import__("pathlib").Path(work)))
-        model, tokenizer = load_pretrained(folder, dtype=args.dtype)
+        model, tokenizer = load_pretrained(resolve_model(folder), dtype=args.dtype)
     model = model.to(device)
     config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
                         init_lora_weights=False, task_type="CAUSAL_LM")  # fmt: skip
