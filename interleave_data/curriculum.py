@@ -127,7 +127,6 @@ class CurriculumState:
         above: Consecutive batches whose rolling mean reward was at or above the stage's threshold.
         collapsed: Consecutive batches whose share of stuck groups reached `collapse_share`.
         val_score: The last validation score at this stage's length (None until one is seen at this stage).
-        temperature: The rollout temperature once a collapse response raised it, else None.
         responses: Collapse responses so far, per stage length.
         done: The last stage passed its threshold.
         stopped: Why the curriculum stopped training, if it did.
@@ -143,7 +142,6 @@ class CurriculumState:
     above: int = 0
     collapsed: int = 0
     val_score: float | None = None
-    temperature: float | None = None
     responses: dict[int, int] = field(default_factory=dict)
     done: bool = False
     stopped: str | None = None
@@ -193,6 +191,7 @@ class Curriculum:
         self.sft_steps = sft_steps
         self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
         self.state = CurriculumState()
+        self.restored_temperature: float | None = None  # a raised temperature an older checkpoint kept here
 
     @property
     def stage_words(self) -> int:
@@ -232,7 +231,7 @@ class Curriculum:
         return min(round(self.replay_fraction * batch_size), batch_size - 1) if self.state.drawn_index else 0
 
     def move(self, index: int, from_batch: int | None = None) -> None:
-        """Train stage `index` from now on: counters restart, the temperature, responses and history stay.
+        """Train stage `index` from now on: counters restart, responses and history stay.
 
         Args:
             index: The stage to train at.
@@ -245,7 +244,6 @@ class Curriculum:
         moves = [m for m in state.moves if m[0] < from_batch] + [[from_batch, index]] if from_batch is not None else []
         self.state = CurriculumState(
             stage_index=index,
-            temperature=state.temperature,
             responses=state.responses,
             history=state.history,
             drawn_index=index if from_batch is None else state.drawn_index,
@@ -309,10 +307,10 @@ class Curriculum:
         if s.on_collapse == "raise_temperature":
             if temperature >= s.max_temperature:
                 return self._stop(counts, what, f"the temperature is already at max_temperature={s.max_temperature}")
-            state.temperature = min(temperature + s.temperature_step, s.max_temperature)
-            why = f"{what}; temperature {temperature} -> {state.temperature}"
+            raised = min(temperature + s.temperature_step, s.max_temperature)
+            why = f"{what}; temperature {temperature} -> {raised}"
             message = self._note(counts.batch, counts.global_step, "raise_temperature", n, n, why)
-            return Decision("raise_temperature", self.rolling, state.stage_index, state.temperature, message)
+            return Decision("raise_temperature", self.rolling, state.stage_index, raised, message)
         if state.stage_index == 0:
             return self._stop(counts, what, "there is no earlier stage to step back to")
         return self._move(counts, state.stage_index - 1, "step_back", what)
@@ -349,7 +347,14 @@ class Curriculum:
         return asdict(self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.state = CurriculumState(**state_dict)
+        self.state = self._state(**state_dict)
+
+    def _state(self, temperature: float | None = None, **state) -> CurriculumState:
+        """A state from a checkpoint's fields. Checkpoints written while the curriculum also kept the raised rollout
+        temperature hold it here; it is handed on as `restored_temperature` (the module owns the temperature now)."""
+        if temperature is not None:
+            self.restored_temperature = temperature
+        return CurriculumState(**state)
 
     def load_legacy_state(self, datamodule: dict | None = None, callback: dict | None = None) -> None:
         """Restore from a checkpoint written before the curriculum had one owner (git 35e5889 and earlier).
@@ -365,7 +370,7 @@ class Curriculum:
             self.state = CurriculumState(stage_index=drawn, drawn_index=drawn, moves=datamodule.get("moves", []))
         if callback is not None:
             stream = {f.name: getattr(self.state, f.name) for f in fields(CurriculumState) if f.name not in callback}
-            self.state = CurriculumState(**callback, **stream)
+            self.state = self._state(**callback, **stream)
 
 
 def check_lengths(lengths: Sequence[int], name: str) -> list[int]:

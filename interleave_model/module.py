@@ -132,7 +132,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()
-        # fresh copies (the defaults are shared, and the curriculum changes the temperature); a checkpoint's are dicts
+        # fresh copies (the defaults are shared); a checkpoint's are dicts
         sampling, loss = as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
         check_groups(sampling, loss)
@@ -140,6 +140,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
         self.sampling, self.loss, self.optimization, self.evaluation = sampling, loss, optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
+        # the rollout temperature now: the configured one until a curriculum's raise_temperature response changes it
+        # (`run/callbacks.py`); checkpointed here, so a resumed run samples as the interrupted one did
+        self.temperature = sampling.temperature
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
         # load_from_checkpoint passes these back as the dicts hparams hold
@@ -240,9 +243,11 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         rng, path = self._generator(), self.hparams.model_name_or_path
         save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
         checkpoint["grpo_start"] = self.grpo_start
+        checkpoint["temperature"] = self.temperature
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.grpo_start = checkpoint.get("grpo_start")
+        self.temperature = checkpoint.get("temperature", self.sampling.temperature)
         state = checkpoint, self.policy, self.reference, self._generator, self.device
         self.guard.skipped, self.reference = restore_run_state(*state)
         self.sampler.weights_loaded()
@@ -255,7 +260,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         G = sampling.num_generations
         started = time.perf_counter()
         with eval_mode(self.policy):  # the update trains; sampling runs as evaluation does (HF caches only so)
-            roll = self._rollout(batch, G, sampling.temperature, self._generator())
+            roll = self._rollout(batch, G, self.temperature, self._generator())
         rolled = time.perf_counter()
         each = lambda values: [v for v in values for _ in range(G)]  # noqa: E731  a prompt's value for each of its G rows
         targets = each(batch["targets"])
@@ -287,7 +292,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     def grpo_step(self, trajectory: Trajectory, batch: dict) -> dict[str, float]:
         """One clipped policy-gradient update on a trajectory, in micro-batches of rows; with `loss.guidance`, mixed
         with a supervised term on the batch's targets (`algorithm/guidance.py`)."""
-        loss, temperature, G = self.loss, self.sampling.temperature, self.sampling.num_generations
+        loss, temperature, G = self.loss, self.temperature, self.sampling.num_generations
         started = time.perf_counter()
         mu = self._guidance_weight()
         cap = self.sampler.importance_sampling_cap(trajectory.rollout)  # an engine's samples, corrected: TIS
@@ -369,7 +374,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
-        temperature, G = self.sampling.temperature, self.sampling.num_generations
+        temperature, G = self.temperature, self.sampling.num_generations
         size = self.optimization.micro_batch_size
         return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size, G)
 

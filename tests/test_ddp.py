@@ -38,7 +38,7 @@ class RankReport(L.Callback):
         weights = torch.cat([p.detach().flatten().double() for p in pl_module.policy.parameters()])
         report = {
             "curriculum": trainer.datamodule.curriculum.state_dict(),
-            "temperature": pl_module.sampling.temperature,
+            "temperature": pl_module.temperature,
             "metrics": metrics,
             "weights": [weights.sum().item(), weights.abs().sum().item()],
             "global_step": trainer.global_step,

@@ -64,6 +64,7 @@ def _legacy(checkpoint: dict) -> dict:
     state = old["InterleaveDataModule"].pop("curriculum")
     drawn, moves = state.pop("drawn_index"), state.pop("moves")
     old["InterleaveDataModule"] = {"stage_index": drawn} | ({"moves": moves} if moves else {})
+    state["temperature"] = old.pop("temperature")  # the rollout temperature was the curriculum's then
     old["callbacks"]["CurriculumCallback"] = state
     return old
 

@@ -23,8 +23,8 @@ class Sampling:
 
     Args:
         num_generations: Completions per prompt (G); group-relative advantages need at least 2.
-        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL). A curriculum's
-            "raise_temperature" response changes it during training.
+        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL) at the start of training;
+            the one in use is the module's (`InterleaveGRPO.temperature`), which a curriculum may raise.
         top_p: Nucleus sampling mass.
         top_k: Keep the k most likely tokens; 0 keeps all.
         max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.

@@ -52,8 +52,9 @@ class CurriculumCallback(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.curriculum.state.temperature is not None:
-            set_temperature(pl_module, self.curriculum.state.temperature)
+        if self.curriculum.restored_temperature is not None:  # an older checkpoint's, kept by the curriculum
+            set_temperature(pl_module, self.curriculum.restored_temperature)
+            self.curriculum.restored_temperature = None
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -126,7 +127,7 @@ class CurriculumCallback(L.Callback):
             zero_std_share=n_flat / groups,
             stuck_share=n_stuck / groups,
             distinct=n_distinct / groups,
-            temperature=pl_module.sampling.temperature,
+            temperature=pl_module.temperature,
             batch=run - 1,
             next_batch=run + 1,  # the next batch is already fetched at the old stage
             global_step=trainer.global_step,
@@ -161,5 +162,5 @@ class CurriculumCallback(L.Callback):
 
 
 def set_temperature(pl_module: L.LightningModule, temperature: float) -> None:
-    """The rollout temperature of the next batches."""
-    pl_module.sampling.temperature = temperature
+    """The rollout temperature of the next batches: the module owns it (`InterleaveGRPO.temperature`)."""
+    pl_module.temperature = temperature

@@ -98,7 +98,7 @@ def test_raise_temperature_up_to_the_cap_then_stop():
 
     # 1.0 -> 1.3 -> 1.5 (capped); at the cap no raise is left
     assert kinds[1::2] == [("raise_temperature", 1.3), ("raise_temperature", 1.5), ("stop", None)]
-    assert "max_temperature=1.5" in curriculum.state.stopped and curriculum.state.temperature == 1.5
+    assert "max_temperature=1.5" in curriculum.state.stopped
 
 
 def test_collapse_responses_are_capped_per_length():
@@ -173,7 +173,7 @@ def test_legacy_state_from_both_checkpoint_entries():
     curriculum.load_legacy_state(callback=callback)
 
     assert (curriculum.state.stage_index, curriculum.state.drawn_index, curriculum.state.moves) == (1, 0, [[5, 1]])
-    assert curriculum.state.temperature == 1.25 and curriculum.state.responses == {4: 1}
+    assert curriculum.restored_temperature == 1.25 and curriculum.state.responses == {4: 1}
 
 
 @pytest.mark.parametrize(

@@ -367,6 +367,28 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     assert resumed.grpo_start == 2  # a resumed run keeps GRPO's schedule
 
 
+def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module, make_datamodule, tmp_path):
+    module = make_module(temperature=0.7, beta=0.0)
+    seen = []
+    rollout = module._rollout
+    module._rollout = lambda batch, G, temperature, generator=None: (
+        seen.append(temperature) or rollout(batch, G, temperature, generator)
+    )
+    module.temperature = 1.3  # what a curriculum's raise_temperature does
+    trainer = _fit(module, make_datamodule(module.tokenizer), steps=1)
+
+    assert seen == [1.3] and module.sampling.temperature == 0.7 and module.hparams.sampling["temperature"] == 0.7
+    trainer.save_checkpoint(tmp_path / "run.ckpt")
+    checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=False)
+    resumed = make_module(temperature=0.7)
+    resumed.on_load_checkpoint(checkpoint)
+    assert resumed.temperature == 1.3
+    older = make_module(temperature=0.7)  # a checkpoint without the entry: the configured temperature
+    checkpoint.pop("temperature")
+    older.on_load_checkpoint(checkpoint)
+    assert older.temperature == 0.7
+
+
 def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, make_datamodule):
     module = make_module(beta=0.0, sft_steps=2, rewards=[CompletionLength()])
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=2)

@@ -244,7 +244,7 @@ def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_modul
         head = fused_head(module.policy) if fused else None
         with patch("interleave_model.algorithm.logprobs.fused_head", lambda model: head):
             logprobs, entropy = completion_logprobs(
-                module.policy, ids, attention, completion, module.sampling.temperature, with_entropy=True
+                module.policy, ids, attention, completion, module.temperature, with_entropy=True
             )
         keep = attention[:, -5:].bool()
         (logprobs * keep).sum().backward()

@@ -58,7 +58,7 @@ class _Trainer:
         self.callback_metrics = {}
         self.logged = {}
         self.module = SimpleNamespace(
-            sampling=Sampling(temperature=1.0, num_generations=2), device=torch.device("cpu"),
+            sampling=Sampling(temperature=1.0, num_generations=2), temperature=1.0, device=torch.device("cpu"),
             log_dict=lambda values, batch_size: self.logged.update(values),
         )  # fmt: skip
 
@@ -194,10 +194,10 @@ def test_collapse_raises_the_temperature_then_stops_with_a_message(tmp_path):
 
     for _ in range(2):
         trainer.batch([cb], [STUCK, GOOD], [4, 4])  # half the groups stuck: a collapsed batch
-    assert trainer.module.sampling.temperature == 1.25 and cb.curriculum.state.temperature == 1.25
+    assert trainer.module.temperature == 1.25 and trainer.module.sampling.temperature == 1.0  # the configured one
     for _ in range(2):
         trainer.batch([cb], [STUCK, [0.3, 0.3]], [4, 4])
-    assert trainer.module.sampling.temperature == 1.5
+    assert trainer.module.temperature == 1.5
     assert not trainer.should_stop
     for _ in range(2):
         trainer.batch([cb], [STUCK, STUCK], [4, 4])
@@ -254,14 +254,28 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
     saved = cb.curriculum.state_dict()
     torch.save({"curriculum": saved}, tmp_path / "state.pt")
 
+    assert trainer.module.temperature == 1.25 and "temperature" not in saved  # the module's, checkpointed by it
+
     restored = _curriculum(trainer, **kwargs)
     trainer.datamodule.curriculum.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False)["curriculum"])
-    trainer.module.sampling.temperature = 1.0
     restored.on_train_start(trainer, trainer.module)
 
-    assert trainer.datamodule.curriculum.state_dict() == saved and trainer.module.sampling.temperature == 1.25
+    assert trainer.datamodule.curriculum.state_dict() == saved and trainer.module.temperature == 1.25
     trainer.batch([restored], [GOOD], [4])
     assert trainer.datamodule.moves == [(1, 8)]  # the third batch at 0.95
+
+
+def test_a_raised_temperature_an_older_checkpoint_kept_in_the_curriculum_reaches_the_module_once(tmp_path):
+    trainer = _Trainer(tmp_path)
+    cb = _curriculum(trainer)
+    old = cb.curriculum.state_dict() | {"temperature": 1.25}  # the curriculum's state as older checkpoints hold it
+
+    trainer.datamodule.curriculum.load_state_dict(old)
+    cb.on_train_start(trainer, trainer.module)
+    assert trainer.module.temperature == 1.25 and cb.curriculum.restored_temperature is None
+    trainer.module.temperature = 1.5  # a later raise is not undone by a second train start
+    cb.on_train_start(trainer, trainer.module)
+    assert trainer.module.temperature == 1.5
 
 
 def test_replay_share_and_a_move_from_a_given_batch(make_datamodule):
