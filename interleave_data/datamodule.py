@@ -95,7 +95,6 @@ class InterleaveDataModule(LightningDataModule):
         self.template = template
         self.batch_size = batch_size
         self.sft_batch_size = batch_size if sft_batch_size is None else sft_batch_size
-        self.sft_steps = sft_steps
         self.sft_stages = None if sft_stages is None else check_lengths(sft_stages, "sft_stages")
         self.eval_batch_size = eval_batch_size
         self.predict_split = predict_split
@@ -138,6 +137,11 @@ class InterleaveDataModule(LightningDataModule):
 
     def _cache_args(self) -> tuple:
         return self.corpus, self._lengths(), self.pairs, self.split_fractions, self.seed
+
+    @property
+    def sft_steps(self) -> int:
+        """Batches of supervised warm-start before GRPO: the curriculum's, which decides each batch's phase."""
+        return self.curriculum.sft_steps
 
     def prepare_data(self) -> None:
         """Builds and caches the examples (once per node); a no-op when reading a dataset folder."""
