@@ -1,0 +1,203 @@
+"""The floor of one GRPO step on this machine, and how far the step is from it. Prints one JSON line.
+
+The machine: torch's float32 matmul rate at `--threads` on the rollout's shape (the running rows times one MLP
+projection) and on the update's (a few thousand tokens through it), and the memory bandwidth (a copy of 512 MiB,
+bytes read plus written).
+
+The step's work, counted for the model and the batch it really ran (prompt and completion tokens as the step saw
+them; the untrained model runs to the token budget): with `N` the weights of the decoder's linear layers (the
+adapter's included) and `H` those of the output layer,
+
+- rollout: each group's prompt prefilled once (2N per token, attention 4 x hidden x layers x context), then one
+  decode step per completion token for every row (2N + 2H + attention); bytes: the weights read once per decode step;
+- update: one forward over each group's prompt once and every completion (2N per token, 2H per completion token),
+  and a backward of the same count (with the base weights frozen under LoRA only the inputs' gradients flow, 2N per
+  token; without LoRA the weights' gradients double it); the reference forward when beta > 0.
+
+The floor of a phase is the larger of its FLOPs over the matmul rate of its shape and its bytes over the bandwidth;
+`share` is floor / measured, per phase and for the step (rollout + update). The step itself runs through
+`grpo_step.py`'s harness (the module under a Lightning Trainer, LoRA r=16 with `--lora`).
+
+    python benchmarks/floor.py [--model smollm2-135m-instruct] [--threads 2] [--words 10] [--prompts 4]
+                               [--generations 8] [--lora] [--beta 0] [--steps 2] [--warmup 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+from provenance import provenance
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    from grpo_step import parse_args
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct", help='a model folder, shipped name or "tiny"')
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--words", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--beta", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--template", default="compact", help="prompt template (configs/smollm2.yaml's)")
+    ours = parser.parse_args(argv)
+    step = parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
+                       "--prompts", str(ours.prompts), "--generations", str(ours.generations), "--beta",
+                       str(ours.beta), "--model", ours.model, "--threads", str(ours.threads), "--template",
+                       ours.template] + (["--lora"] if ours.lora else []))  # fmt: skip
+    return ours, step
+
+
+def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 5) -> float:
+    """float32 FLOP/s of `[rows, inner] @ [inner, outer]` at torch's thread count: the median of `repeats` timings,
+    each long enough to time (at least 0.2 s of products)."""
+    import torch
+
+    a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+    flops = 2 * rows * inner * outer
+    calls = max(1, int(2e8 // flops) + 1)
+    a @ b  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            a @ b
+        times.append((time.perf_counter() - start) / calls)
+    return flops / statistics.median(times)
+
+
+def bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes per second of a tensor copy (read plus written), the median of `repeats`."""
+    import torch
+
+    source = torch.ones(mib * 2**18)  # float32
+    target = torch.empty_like(source)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() * 4 / statistics.median(times)
+
+
+def shape_of(policy) -> dict[str, int]:
+    """Weights of the decoder's linear layers (adapters included), of the output layer, and the attention's size."""
+    import torch
+
+    head = policy.get_output_embeddings()
+    linear = sum(p.numel() for m in policy.modules() if isinstance(m, torch.nn.Linear) and m is not head
+                 for p in m.parameters(recurse=False))  # fmt: skip
+    config = policy.config
+    return {
+        "linear_weights": linear,
+        "head_weights": head.weight.numel(),
+        "hidden": config.hidden_size,
+        "intermediate": getattr(config, "intermediate_size", 4 * config.hidden_size),
+        "layers": config.num_hidden_layers,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in policy.parameters()),
+    }
+
+
+def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: float, lora: bool, beta: float) -> dict:
+    """FLOPs and bytes of one GRPO step's rollout and update (the module docstring's count). `prompt` is a prompt's
+    tokens, `completion` the mean completion length over the rows (through the stop token)."""
+    n, h, attention = shape["linear_weights"], shape["head_weights"], 4 * shape["hidden"] * shape["layers"]
+    prefill = groups * prompt * (2 * n + attention * prompt / 2)
+    decode = rows * completion * (2 * n + 2 * h + attention * (prompt + completion / 2))
+    forward = (groups * prompt + rows * completion) * 2 * n + rows * completion * 2 * h
+    forward += attention * (groups * prompt * prompt / 2 + rows * completion * (prompt + completion / 2))
+    backward = forward if lora else 2 * forward
+    return {
+        "rollout_flops": prefill + decode,
+        "rollout_bytes": completion * shape["weight_bytes"],  # the weights once per decode step
+        "update_flops": forward + backward + (forward if beta > 0 else 0.0),
+        "update_bytes": 3 * shape["weight_bytes"],
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import lightning as L
+    import torch
+    from grpo_step import build, mark, summarize, time_phases
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args, step_args = parse(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as cache:
+        torch.manual_seed(0)
+        module, data = build(step_args, args.words, cache)
+        records = time_phases(module, mark)
+        seen: list[tuple[float, float]] = []  # (prompt tokens, mean completion tokens) of each step
+        generate = module.generate_trajectory
+
+        def counted(batch):
+            trajectory, stats = generate(batch)
+            roll = trajectory.rollout
+            seen.append((float(roll.prompt_mask[0].sum()), float(roll.completion_mask.sum(-1).float().mean())))
+            return trajectory, stats
+
+        module.generate_trajectory = counted
+        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
+        trainer.fit(module, datamodule=data)
+        measured = summarize([*records, mark()], args.warmup, None)
+    shape = shape_of(module.policy)
+    rows = args.prompts * args.generations
+    prompt = statistics.mean(p for p, _ in seen[args.warmup :])
+    completion = statistics.mean(c for _, c in seen[args.warmup :])
+    work = step_work(shape, args.prompts, rows, prompt, completion, args.lora, args.beta)
+    rates = {
+        "rollout_matmul_flops_per_s": matmul_rate(rows, shape["hidden"], shape["intermediate"]),
+        "update_matmul_flops_per_s": matmul_rate(
+            int(args.prompts * prompt + rows * completion), shape["hidden"], shape["intermediate"]
+        ),
+        "bandwidth_bytes_per_s": bandwidth(),
+    }
+    floor = {
+        "rollout": max(work["rollout_flops"] / rates["rollout_matmul_flops_per_s"],
+                       work["rollout_bytes"] / rates["bandwidth_bytes_per_s"]),
+        "update": max(work["update_flops"] / rates["update_matmul_flops_per_s"],
+                      work["update_bytes"] / rates["bandwidth_bytes_per_s"]),
+    }  # fmt: skip
+    floor["step"] = floor["rollout"] + floor["update"]
+    seconds = {"rollout": measured["rollout_s"], "update": measured["update_s"]}
+    seconds["step"] = seconds["rollout"] + seconds["update"]
+    record = {
+        "benchmark": "floor",
+        "model": args.model,
+        "words": args.words,
+        "prompts": args.prompts,
+        "generations": args.generations,
+        "lora": args.lora,
+        "beta": args.beta,
+        "prompt_tokens": round(prompt, 1),
+        "completion_tokens": round(completion, 1),
+        "shape": shape,
+        "gflops_per_s": {
+            k.removesuffix("_matmul_flops_per_s"): round(v / 1e9, 2) for k, v in rates.items() if "matmul" in k
+        },  # fmt: skip
+        "bandwidth_gb_per_s": round(rates["bandwidth_bytes_per_s"] / 1e9, 2),
+        "gflop": {"rollout": round(work["rollout_flops"] / 1e9, 2), "update": round(work["update_flops"] / 1e9, 2)},
+        "floor_s": {k: round(v, 3) for k, v in floor.items()},
+        "measured_s": {k: round(v, 3) for k, v in seconds.items()},
+        "share": {k: round(floor[k] / seconds[k], 3) for k in floor},
+        "step_wall_s": measured["step_s"],
+        **provenance(args.threads),
+    }
+    print(json.dumps(record), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

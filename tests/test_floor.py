@@ -1,0 +1,49 @@
+"""benchmarks/floor.py: the work it counts for a step (a pure function), and one run on the tiny model whose floor
+lies below what the step measured, per phase."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+spec = importlib.util.spec_from_file_location("floor", ROOT / "benchmarks" / "floor.py")
+floor = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(floor)
+
+SHAPE = {"linear_weights": 1000, "head_weights": 500, "hidden": 10, "intermediate": 40, "layers": 2,
+         "weight_bytes": 6000}  # fmt: skip
+
+
+def test_the_step_work_counts_each_token_once_and_the_backward_by_what_trains():
+    lora = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0)
+    attention = 4 * 10 * 2
+    prefill = 4 * (2 * 1000 + attention * 2)
+    decode = 2 * 3 * (2 * 1000 + 2 * 500 + attention * (4 + 1.5))
+    assert lora["rollout_flops"] == pytest.approx(prefill + decode)
+    forward = (4 + 6) * 2000 + 6 * 1000 + attention * (8 + 6 * 5.5)  # the prompt once, every completion token
+    assert lora["update_flops"] == pytest.approx(2 * forward)
+    full = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=False, beta=0.0)
+    assert full["update_flops"] == pytest.approx(3 * forward)  # the weights' gradients too
+    with_reference = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.04)
+    assert with_reference["update_flops"] == pytest.approx(3 * forward)
+    assert lora["rollout_bytes"] == 3 * 6000  # the weights once per decode step
+
+
+def test_on_the_tiny_model_the_floor_lies_below_the_measured_step():
+    command = [sys.executable, "benchmarks/floor.py", "--model", "tiny", "--template", "compact", "--threads", "1",
+               "--steps", "1", "--warmup", "1", "--prompts", "2", "--generations", "2"]  # fmt: skip
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    record = json.loads(line)
+    assert record["completion_tokens"] > 0 and record["prompt_tokens"] > 0
+    assert all(record["gflop"][phase] > 0 for phase in ("rollout", "update"))
+    assert all(0 < record["share"][phase] < 1 for phase in ("rollout", "update", "step")), record["share"]
+    assert record["command"].startswith("python benchmarks/floor.py") and record["commit"]
