@@ -14,9 +14,9 @@ import interleave_model.algorithm.logprobs as logprobs_py
 import interleave_model.generation.sampler as sampler_py
 import interleave_model.module as module_py
 from interleave_model.algorithm import grpo
+from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import grouped_hparams
 from tests.conftest import fit_one_grpo_step
 
 
