@@ -15,20 +15,20 @@ from torch import Tensor
 
 from interleave_data.prompts import TemplateName
 from interleave_model.algorithm import grpo
-from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
-from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
-from interleave_model.algorithm.logprobs import (
+from interleave_model.algorithm.completions import (
     chunked_completion_logprobs,
     completion_logits,
     completion_logprobs,
     row_chunks,
-    sft_inputs,
 )
+from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
+from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
+from interleave_model.algorithm.supervised import sft_inputs
 from interleave_model.evaluation.evaluator import Evaluator
 from interleave_model.evaluation.steps import EvaluationSteps
 from interleave_model.generation.rollout import Rollout

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-import interleave_model.algorithm.logprobs as logprobs_py
+import interleave_model.algorithm.completions as completions_py
 import interleave_model.generation.sampler as sampler_py
 import interleave_model.module as module_py
 from interleave_model.algorithm import grpo
@@ -57,7 +57,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
 
     monkeypatch.setattr(sampler_py, "rollout", recording_rollout)
     monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)  # the update
-    monkeypatch.setattr(logprobs_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
+    monkeypatch.setattr(completions_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_one_grpo_step(module, make_datamodule)
