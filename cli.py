@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.generation.vllm_engine import close_engines
+from interleave_model.legacy import grouped_hparams
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
@@ -26,7 +27,6 @@ from interleave_model.run.runs import RunError, config_filename, place_run, requ
 from interleave_model.run.writers import EvaluationReport, PredictionWriter
 from interleave_model.runtime.compat import CompatCLI
 from interleave_model.runtime.machine import MachineError, settle, settle_engine
-from interleave_model.settings import grouped_hparams
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
 USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError)
@@ -109,7 +109,7 @@ class InterleaveCLI(CompatCLI):
         pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.evaluation.num_samples 8` would silently
         evaluate with the training run's settings. How to evaluate (`model.evaluation`) belongs to this run: it keeps
         its values. Checkpoints written before the model's settings were grouped are read in today's groups
-        (`settings.grouped_hparams`).
+        (`legacy.grouped_hparams`).
         """
         hparams = grouped_hparams(super().checkpoint_hparams(hparams))
         hparams.pop("evaluation", None)

@@ -42,10 +42,10 @@ from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule, batches_run
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward
+from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
-from interleave_model.settings import grouped_hparams
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
 SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")

@@ -14,27 +14,27 @@ from lightning.pytorch.utilities import move_data_to_device, rank_zero_info
 from torch import Tensor
 
 from interleave_data.prompts import TemplateName
-from interleave_model import old_path
 from interleave_model.algorithm import grpo
-from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
-from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
-from interleave_model.algorithm.logprobs import (
+from interleave_model.algorithm.completions import (
     chunked_completion_logprobs,
     completion_logits,
     completion_logprobs,
     row_chunks,
-    sft_inputs,
 )
+from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
+from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
+from interleave_model.algorithm.supervised import sft_inputs
 from interleave_model.evaluation.evaluator import Evaluator
 from interleave_model.evaluation.steps import EvaluationSteps
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
 from interleave_model.generation.vllm_engine import VllmSettings
+from interleave_model.legacy import checkpoint_groups, old_paths
 from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.model.policy import (
     TINY,
@@ -59,7 +59,6 @@ from interleave_model.settings import (
     Sampling,
     as_group,
     check_groups,
-    checkpoint_groups,
     typed,
 )
 
@@ -68,9 +67,9 @@ from interleave_model.settings import (
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
 
 # Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
-# their paths and under the ones they had before their modules moved into subpackages (`interleave_model.MOVED`)
+# their paths and under the ones they had before their modules moved into subpackages (legacy.py)
 _SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
-torch.serialization.add_safe_globals([*_SETTINGS, *((cls, old_path(cls)) for cls in _SETTINGS)])
+torch.serialization.add_safe_globals([*_SETTINGS, *old_paths(_SETTINGS)])
 
 
 class InterleaveGRPO(EvaluationSteps, L.LightningModule):
@@ -176,7 +175,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs) -> InterleaveGRPO:
         """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too.
 
-        Its flat settings (`temperature`, `eval_num_samples`, ...) go into their groups (`settings.checkpoint_groups`);
+        Its flat settings (`temperature`, `eval_num_samples`, ...) go into their groups (`legacy.checkpoint_groups`);
         keyword arguments still win.
         """
         return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))

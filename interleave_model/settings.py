@@ -9,7 +9,7 @@ model:
 ```
 
 Checkpoints written before the groups existed hold the same settings flat (`temperature`, `eval_num_samples`, ...);
-`grouped_hparams` puts them into their groups, so those checkpoints still load.
+`legacy.grouped_hparams` puts them into their groups, so those checkpoints still load.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from interleave_model.algorithm.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
@@ -131,16 +130,6 @@ class Evaluation:
 
 GROUPS: dict[str, type] = {"sampling": Sampling, "loss": Loss, "optimization": Optimization, "evaluation": Evaluation}
 
-# `flat name -> (group, field)`: the names of checkpoints written before the groups existed.
-FLAT_NAMES = {
-    field.name: (group, field.name) for group in ("sampling", "loss", "optimization") for field in fields(GROUPS[group])
-} | {
-    "eval_num_samples": ("evaluation", "num_samples"),
-    "eval_temperature": ("evaluation", "temperature"),
-    "pass_k": ("evaluation", "pass_k"),
-    "pass_threshold": ("evaluation", "pass_threshold"),
-}
-
 
 def check_groups(sampling: Sampling, loss: Loss) -> None:
     """Refuse settings that do not fit together across groups."""
@@ -158,34 +147,11 @@ def typed(cls: type, value: Any) -> Any:
 
 def as_group(cls: type, value: Any) -> Any:
     """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
-    return cls(**(value if isinstance(value, dict) else _as_dict(cls, value)))
+    return cls(**(value if isinstance(value, dict) else field_values(cls, value)))
 
 
-def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups.
-
-    Hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
-    """
-    flat = {key: hparams[key] for key in FLAT_NAMES if key in hparams}
-    if not flat:
-        return dict(hparams)
-    out = {key: value for key, value in hparams.items() if key not in flat}
-    for key, value in flat.items():
-        group, name = FLAT_NAMES[key]
-        current = out.get(group)
-        values = dict(current) if isinstance(current, dict) else _as_dict(GROUPS[group], current)
-        out[group] = values | {name: value}
-    return out
-
-
-def _as_dict(cls: type, value: Any) -> dict[str, Any]:
+def field_values(cls: type, value: Any) -> dict[str, Any]:
     """The fields of a group's instance, by name; none for None."""
     if value is None:
         return {}
     return {field.name: getattr(value, field.name) for field in fields(cls)}
-
-
-def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
-    """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
-    hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
-    return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}

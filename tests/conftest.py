@@ -52,11 +52,11 @@ def make_module():
     """Build an `InterleaveGRPO` around a 1-layer, 32-wide tiny Llama; keyword arguments override the defaults.
 
     Settings may be named flat (`temperature=0.9`): they go into their groups as an older checkpoint's do
-    (`settings.grouped_hparams`), which keeps the tests short and that path always exercised.
+    (`legacy.grouped_hparams`), which keeps the tests short and that path always exercised.
     """
+    from interleave_model.legacy import grouped_hparams
     from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import grouped_hparams
 
     def make(**overrides):
         kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "num_generations": 2}
@@ -106,7 +106,8 @@ def family(request, family_folders) -> tuple[str, Path]:
 
 def flat_settings(hparams: dict) -> dict:
     """A checkpoint's grouped hyperparameters written as the code before the groups wrote them (git 35e5889)."""
-    from interleave_model.settings import FLAT_NAMES, GROUPS
+    from interleave_model.legacy import FLAT_NAMES
+    from interleave_model.settings import GROUPS
 
     flat = {key: value for key, value in hparams.items() if key not in GROUPS}
     for old, (group, name) in FLAT_NAMES.items():

@@ -16,7 +16,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from cli import main
-from interleave_model.algorithm.logprobs import completion_logprobs
+from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.model.policy import is_peft
 
 FAMILY_CONFIG = Path(__file__).parent / "configs" / "family.yaml"

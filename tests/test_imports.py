@@ -7,6 +7,8 @@ A cycle works at runtime only by the order of imports, and it ties files togethe
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +112,10 @@ def test_data_never_imports_the_model():
     wrong = {name: sorted(m for m in deps if m.startswith("interleave_model")) for name, deps in graph.items()}
     wrong = {name: deps for name, deps in wrong.items() if name.startswith("interleave_data") and deps}
     assert not wrong, f"interleave_data imports interleave_model: {wrong}"
+
+
+def test_importing_the_package_installs_the_old_names_and_stays_light():
+    """`import interleave_model` runs legacy.py, whose import finder a config's old class_path needs, without torch."""
+    code = "import sys, interleave_model; print(type(sys.meta_path[-1]).__name__, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["_OldNames", "False"]

@@ -12,8 +12,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from interleave_model.algorithm import grpo
-from interleave_model.algorithm.logprobs import sft_inputs
 from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.algorithm.supervised import sft_inputs
 from interleave_model.model.policy import LoraSettings, as_reference
 from tests.model.algorithm.test_rewards import Constant, Recording
 

@@ -10,13 +10,13 @@ import warnings
 import pytest
 import torch
 
-import interleave_model.algorithm.logprobs as logprobs_py
+import interleave_model.algorithm.completions as completions_py
 import interleave_model.generation.sampler as sampler_py
 import interleave_model.module as module_py
 from interleave_model.algorithm import grpo
+from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import grouped_hparams
 from tests.conftest import fit_one_grpo_step
 
 
@@ -57,7 +57,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
 
     monkeypatch.setattr(sampler_py, "rollout", recording_rollout)
     monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)  # the update
-    monkeypatch.setattr(logprobs_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
+    monkeypatch.setattr(completions_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_one_grpo_step(module, make_datamodule)

@@ -13,13 +13,8 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from interleave_model.algorithm.logprobs import (
-    completion_logprobs,
-    fused_head,
-    head_token_logprobs,
-    token_entropy,
-    token_logprobs,
-)
+from interleave_model.algorithm.completions import completion_logprobs, fused_head
+from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import _draw, _uniform, sample, token_budget
 from interleave_model.model.policy import LoraSettings, TinyModelConfig, apply_lora
@@ -242,7 +237,7 @@ def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_modul
     def score(fused: bool):
         module.policy.zero_grad()
         head = fused_head(module.policy) if fused else None
-        with patch("interleave_model.algorithm.logprobs.fused_head", lambda model: head):
+        with patch("interleave_model.algorithm.completions.fused_head", lambda model: head):
             logprobs, entropy = completion_logprobs(
                 module.policy, ids, attention, completion, module.temperature, with_entropy=True
             )

@@ -8,8 +8,9 @@ import lightning as L
 import pytest
 import torch
 
+from interleave_model.legacy import FLAT_NAMES, grouped_hparams
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import FLAT_NAMES, GROUPS, Evaluation, Loss, Optimization, Sampling, grouped_hparams
+from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling
 from tests.conftest import flat_settings
 
 # The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them

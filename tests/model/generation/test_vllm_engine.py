@@ -7,7 +7,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from interleave_model.algorithm.logprobs import completion_logprobs  # noqa: E402
+from interleave_model.algorithm.completions import completion_logprobs  # noqa: E402
 from interleave_model.generation.rollout import rollout  # noqa: E402
 from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
 from interleave_model.model.policy import LoraSettings, apply_lora, load_pretrained, stop_token_ids  # noqa: E402

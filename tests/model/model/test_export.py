@@ -8,7 +8,8 @@ from peft import AutoPeftModelForCausalLM
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_data.atomic import replacing_dir
-from interleave_model.algorithm.logprobs import completion_logits, token_logprobs
+from interleave_model.algorithm.completions import completion_logits
+from interleave_model.algorithm.logprobs import token_logprobs
 from interleave_model.model.export import BASE_MODEL_DIR, export, load_weights
 from interleave_model.model.policy import LoraSettings, PolicyError
 

@@ -6,13 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from interleave_model.algorithm.logprobs import (
-    completion_logits,
-    completion_logprobs,
-    fused_head,
-    token_entropy,
-    token_logprobs,
-)
+from interleave_model.algorithm.completions import completion_logits, completion_logprobs, fused_head
+from interleave_model.algorithm.logprobs import token_entropy, token_logprobs
 from interleave_model.model.policy import LoraSettings, apply_lora
 
 FUSED = {"llama3": True, "qwen2": True, "gpt2": False}  # GPT-2 is not on the list of plain heads: logits path

@@ -1,0 +1,150 @@
+"""A completion's token log-probs (and entropies) under a model, in micro-batches if asked.
+
+A completion goes through the fused LM head (`logprobs.head_token_logprobs`) when the model has a plain one, else
+through its logits; rows that share a prompt in groups of G forward that prompt once. Shapes: ``N`` rows, ``C``
+completion tokens, ``V`` vocabulary, ``H`` hidden size.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
+from interleave_model.generation.rollout import position_ids
+
+
+def completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
+    """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
+    positions = position_ids(attention_mask)  # [N, L]
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        logits_to_keep=width + 1,
+        use_cache=False,  # else the forward keeps a copy of every layer's keys and values
+    )
+    return out.logits[:, :-1]  # position t predicts token t+1, so drop the last
+
+
+def completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_ids: Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    group_size: int = 1,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs of the completion (the last C tokens of each row) and, when asked, the entropies: [N, C] each.
+
+    Through the fused LM head (`head_token_logprobs`) when the model has a plain one: only the completion
+    tokens go through the head, and no [N, C, V] logits (nor their gradient) are ever held; positions past the
+    completion mask get 0. Otherwise from the model's logits.
+
+    `group_size` G > 1 says that rows come in groups of G with one prompt (a GRPO rollout): when they really do, each
+    prompt goes through the decoder once and its keys and values serve the G completions (`completion_hidden`).
+    """
+    width = completion_ids.shape[1]
+    head = fused_head(model)
+    if head is None:
+        logits = completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
+        entropy = token_entropy(logits.detach(), temperature) if with_entropy else None  # [N, C]
+        return token_logprobs(logits, completion_ids, temperature), entropy
+    decoder, weight = head
+    hidden = completion_hidden(decoder, input_ids, attention_mask, width, group_size)  # [N, C, H]
+    keep = attention_mask[:, -width:].bool()  # [N, C], the completion mask
+    logprobs, entropy = head_token_logprobs(
+        hidden[keep], weight, completion_ids[keep], temperature, with_entropy=with_entropy
+    )  # [K] each
+    logprobs = torch.zeros_like(keep, dtype=logprobs.dtype).masked_scatter(keep, logprobs)  # [N, C]
+    if entropy is not None:
+        entropy = torch.zeros_like(keep, dtype=entropy.dtype).masked_scatter(keep, entropy)  # [N, C]
+    return logprobs, entropy
+
+
+def completion_hidden(
+    decoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int, group_size: int = 1
+) -> Tensor:
+    """The decoder's last hidden states at the positions that predict the last `width` tokens: [N, width, H].
+
+    With `group_size` G > 1 and rows whose prompts (all but the last `width` tokens) agree within each group of G,
+    the prompts run once, P = N / G rows, and their cached keys and values, repeated G times, are attended by the
+    completions. The gradient reaches the prompt's positions through the repeated cache (summed over the G copies),
+    so log-probs and gradients equal those of the full forward; a rollout's prompt tokens are most of a short
+    stage's tokens, so the update does up to G times less prompt work.
+    """
+    positions = position_ids(attention_mask)  # [N, L]
+    # under gradient checkpointing HF trains without a cache, so the prompt's keys and values cannot be handed on
+    checkpointing = decoder.training and getattr(decoder, "gradient_checkpointing", False)
+    if checkpointing or not shares_prompts(input_ids, attention_mask, width, group_size):
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, use_cache=False
+        ).last_hidden_state  # [N, L, H]
+        return hidden[:, -width - 1 : -1]  # position t predicts token t+1
+    G, prompt = group_size, input_ids.shape[1] - width
+    firsts = slice(None, None, G)  # one row per group
+    prefix = decoder(
+        input_ids=input_ids[firsts, :prompt],
+        attention_mask=attention_mask[firsts, :prompt],
+        position_ids=positions[firsts, :prompt],
+        use_cache=True,
+    )  # last_hidden_state [P, Lp, H]
+    cache = prefix.past_key_values
+    cache.batch_repeat_interleave(G)  # [P, ...] -> [N, ...], differentiable
+    rest = decoder(
+        input_ids=input_ids[:, prompt:-1],
+        attention_mask=attention_mask[:, :-1],
+        position_ids=positions[:, prompt:-1],
+        past_key_values=cache,
+        use_cache=True,
+    ).last_hidden_state  # [N, C-1, H]
+    last = prefix.last_hidden_state[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, H]: predicts the first token
+    return torch.cat([last, rest], dim=1)  # [N, C, H]
+
+
+def shares_prompts(input_ids: Tensor, attention_mask: Tensor, width: int, group_size: int) -> bool:
+    """True when the N rows form groups of `group_size` > 1 whose prompts (all but the last `width` tokens, and
+    their mask) are equal, with at least one completion token to run after them."""
+    n, length = input_ids.shape
+    if group_size < 2 or n % group_size or width < 2 or length <= width:
+        return False
+    prompt = input_ids[:, :-width].reshape(n // group_size, group_size, -1)  # [P, G, Lp]
+    mask = attention_mask[:, :-width].reshape(n // group_size, group_size, -1)  # [P, G, Lp]
+    return bool((prompt == prompt[:, :1]).all() and (mask == mask[:, :1]).all())
+
+
+def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
+    """(decoder, LM-head weight) of a model whose logits are exactly `decoder(...) @ weight.T`, else None."""
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+        return None  # other families may cap, scale or bias their logits
+    head = model.get_output_embeddings()
+    if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:
+        return None  # an adapter on the head, or a sharded (DTensor) weight
+    return model.get_decoder(), head.weight
+
+
+def row_chunks(n_rows: int, size: int | None) -> list[slice]:
+    """Slices of at most `size` rows (`micro_batch_size`) covering `n_rows`; None means one slice of all."""
+    size = size or n_rows
+    return [slice(i, min(i + size, n_rows)) for i in range(0, n_rows, size)]
+
+
+def chunked_completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_ids: Tensor,
+    temperature: float,
+    micro_batch_size: int | None,
+    group_size: int = 1,
+) -> Tensor:
+    """`completion_logprobs` (without entropies) taken `micro_batch_size` rows at a time: [N, C]."""
+    chunks = [
+        completion_logprobs(
+            model, input_ids[rows], attention_mask[rows], completion_ids[rows], temperature, group_size=group_size
+        )[0]
+        for rows in row_chunks(input_ids.shape[0], micro_batch_size)
+    ]
+    return torch.cat(chunks)  # [N, C]

@@ -1,0 +1,133 @@
+"""The old names that checkpoints and configs written by earlier versions of the project still use, kept alive here.
+
+Two kinds of old name:
+
+- **Module paths.** Before the subpackages (docs/ARCHITECTURE.md) the modules stood flat in `interleave_model/`. A
+  checkpoint built from Python pickled its settings classes under those paths (`interleave_model.policy.LoraSettings`),
+  and a config may name a class by one (`class_path: interleave_model.callbacks.CurriculumCallback`). An import
+  finder, installed when `interleave_model` is imported, makes `interleave_model.policy` the module
+  `interleave_model.model.policy` itself, the same object, imported on first use, so the class a config names is the
+  class the code uses; `old_paths` gives the settings classes' old paths to `torch.serialization`, so
+  `torch.load(weights_only=True)` accepts either path.
+- **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
+  (`temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its group; `checkpoint_groups` reads
+  a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook
+  calls `grouped_hparams`.
+
+`import interleave_model` runs this module and must stay light (no torch), so what needs the settings or torch
+imports them when first used. New code and docs use the new names.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Iterable
+from dataclasses import fields
+from types import ModuleType
+from typing import Any
+
+_PACKAGE = "interleave_model"
+
+# old module name -> its subpackage. `evaluation` and `preflight` are subpackages of those names now; nothing of
+# theirs was ever pickled into a checkpoint or named by a config.
+MOVED = {
+    old: f"{subpackage}.{old}"
+    for subpackage, olds in {
+        "model": ("policy", "checkpoint", "export", "shipped"),
+        "generation": ("rollout_cache", "rollout", "vllm_engine", "sampler"),
+        "algorithm": ("logprobs", "grpo", "records", "rewards", "dynamic_sampling", "ranks", "schedule", "step_guard"),
+        "evaluation": ("alignment", "metric", "report"),
+        "preflight": ("token_counts",),
+        "run": ("runs", "callbacks", "samples", "writers", "console"),
+        "runtime": ("compat", "machine", "threads"),
+    }.items()
+    for old in olds
+}
+
+
+def old_paths(classes: Iterable[type]) -> list[tuple[type, str]]:
+    """Each class with the dotted path it had before its module moved (`interleave_model.policy.LoraSettings`), as
+    `torch.serialization.add_safe_globals` takes them; a class whose module never moved has none."""
+    found = []
+    for cls in classes:
+        where = cls.__module__.removeprefix(f"{_PACKAGE}.")
+        found += [(cls, f"{_PACKAGE}.{old}.{cls.__qualname__}") for old, new in MOVED.items() if new == where]
+    return found
+
+
+class _OldNames(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds `interleave_model.<old name>` and hands back the moved module itself (not a second copy of it)."""
+
+    def find_spec(self, fullname: str, path=None, target=None):
+        package, _, name = fullname.partition(".")
+        return importlib.util.spec_from_loader(fullname, self) if package == _PACKAGE and name in MOVED else None
+
+    def create_module(self, spec) -> ModuleType:
+        return importlib.import_module(f"{_PACKAGE}.{MOVED[spec.name.partition('.')[2]]}")
+
+    def exec_module(self, module: ModuleType) -> None:
+        """Nothing to run: the module ran when it was imported under its new name."""
+
+
+sys.meta_path.append(_OldNames())
+
+
+@functools.cache
+def _flat_names() -> dict[str, tuple[str, str]]:
+    from interleave_model.settings import GROUPS
+
+    return {
+        field.name: (group, field.name)
+        for group in ("sampling", "loss", "optimization")
+        for field in fields(GROUPS[group])
+    } | {
+        "eval_num_samples": ("evaluation", "num_samples"),
+        "eval_temperature": ("evaluation", "temperature"),
+        "pass_k": ("evaluation", "pass_k"),
+        "pass_threshold": ("evaluation", "pass_threshold"),
+    }
+
+
+def __getattr__(name: str) -> Any:
+    """`FLAT_NAMES`, `flat name -> (group, field)`: the names of checkpoints written before the groups existed.
+
+    Built from the groups on first use, so that every field has a flat name (the tests name settings flat for
+    brevity) without importing the settings when `interleave_model` is imported.
+    """
+    if name == "FLAT_NAMES":
+        return _flat_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups.
+
+    Hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
+    """
+    from interleave_model.settings import GROUPS, field_values
+
+    flat_names = _flat_names()
+    flat = {key: hparams[key] for key in flat_names if key in hparams}
+    if not flat:
+        return dict(hparams)
+    out = {key: value for key, value in hparams.items() if key not in flat}
+    for key, value in flat.items():
+        group, name = flat_names[key]
+        current = out.get(group)
+        values = dict(current) if isinstance(current, dict) else field_values(GROUPS[group], current)
+        out[group] = values | {name: value}
+    return out
+
+
+def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
+    """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
+    import torch
+
+    from interleave_model.settings import GROUPS
+
+    hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
+    return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
