@@ -7,7 +7,13 @@ One batch of `--rows` rows (prompts of `--prompt-tokens` tokens, `--rows / --gen
 - `lora_no_autocast`: the same without autocast;
 - `merged`: the adapter merged into the base weights for the rollout (`merge_adapter`, then `unmerge_adapter`; the
   two are timed in), and `merged_max_logit_diff`, the largest logit difference from `lora` on the prompt's forward;
-- `base`: the base model alone (`disable_adapter`), the floor of any way of running the adapter.
+- `base`: the base model alone (`disable_adapter`), the floor of any way of running the adapter;
+- `int8` (`--int8`, CPU): a copy with the adapter merged and every decoder linear layer dynamically quantized to int8
+  (per-channel weights, `torch.ao.quantization.quantize_dynamic`), and `int8_kl`, the mean KL divergence (nats per
+  token) of its next-token distribution from the model's, over the prompt's positions: the policy mismatch such a
+  rollout would bring.
+
+The prompts are the corpus's words in a row, cut to `--prompt-tokens`.
 
 `ms_per_step` is a median over `--repeats` rollouts (after one warm-up) divided by the decode steps.
 `floor_ms_per_step` is the bytes of the weights read once per step over the nominal bandwidth (GPU) and
@@ -46,7 +52,34 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--autocast", action="store_true", help="the lora variant under bf16 autocast, as training")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--int8", action="store_true", help="time an int8 copy too (CPU) and its KL from the model")
     return parser.parse_args(argv)
+
+
+def corpus_prompts(tokenizer, groups: int, length: int):
+    """`groups` prompts of `length` tokens: the default corpus's words in a row, tokenized, repeated as needed."""
+    import torch
+
+    from interleave_data.corpus import load_corpus
+
+    words = " ".join(word for text in load_corpus(None).texts for word in text.words)
+    ids = tokenizer(words, add_special_tokens=False)["input_ids"]
+    need = groups * length
+    return torch.tensor((ids * (need // len(ids) + 1))[:need]).view(groups, length)
+
+
+def int8_copy(model):
+    """The model with its adapter merged and its decoder's linear layers quantized to int8 (CPU), a copy."""
+    import copy
+
+    import torch
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+
+    merged = copy.deepcopy(model).merge_and_unload()
+    head = merged.get_output_embeddings()
+    layers = {name: per_channel_dynamic_qconfig for name, module in merged.named_modules()
+              if isinstance(module, torch.nn.Linear) and module is not head}  # fmt: skip
+    return quantize_dynamic(merged, layers, dtype=torch.qint8)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -61,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    trace = provenance()  # the commit as the run starts, not as it ends
     with tempfile.TemporaryDirectory() as work:
         folder = args.model
         if args.random_init:
@@ -79,12 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     model = get_peft_model(model, config).eval()
     generator = torch.Generator(device=device).manual_seed(0)
     groups = max(args.rows // args.generations, 1)
-    vocab = model.get_input_embeddings().weight.shape[0]
-    prompt_ids = torch.randint(3, vocab, (groups, args.prompt_tokens), generator=generator, device=device)
+    prompt_ids = corpus_prompts(tokenizer, groups, args.prompt_tokens).to(device)
     prompt_mask = torch.ones_like(prompt_ids)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
 
-    def rollout() -> None:
+    def rollout(model=model) -> None:
         sample(model, prompt_ids, prompt_mask, num_generations=args.generations, max_new_tokens=args.new_tokens,
                stop_ids=[-1], pad_token_id=0, temperature=1.0, generator=generator)  # fmt: skip
 
@@ -140,6 +173,13 @@ def main(argv: list[str] | None = None) -> dict:
         "merged_max_logit_diff": round(float((lora_logits - merged_logits).abs().max()), 5),
         "logit_scale": round(float(lora_logits.abs().max()), 3),
     }
+    if args.int8 and device == "cpu":
+        quantized = int8_copy(model)
+        record["ms_per_step"]["int8"] = timed(lambda: rollout(quantized))
+        with torch.no_grad():
+            p = lora_logits.log_softmax(-1)
+            q = quantized(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float().log_softmax(-1)
+        record["int8_kl"] = round(float((p.exp() * (p - q)).sum(-1).mean()), 4)
     if device == "cuda":
         from gpu_check import nominal_bandwidth
 
@@ -153,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             wall = time.perf_counter() - start
         kernel_s = sum(e.self_device_time_total for e in profile.key_averages()) / 1e6
         record["busy_share"] = round(kernel_s / wall, 3)
-    record.update(provenance())
+    record.update(trace)
     print(json.dumps(record), flush=True)
     return record
 

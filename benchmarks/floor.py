@@ -133,6 +133,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args, step_args = parse(argv)
     torch.set_num_threads(args.threads)
+    trace = provenance(args.threads)  # the commit as the run starts, not as it ends
     with tempfile.TemporaryDirectory() as cache:
         torch.manual_seed(0)
         module, data = build(step_args, args.words, cache)
@@ -193,7 +194,7 @@ def main(argv: list[str] | None = None) -> dict:
         "measured_s": {k: round(v, 3) for k, v in seconds.items()},
         "share": {k: round(floor[k] / seconds[k], 3) for k in floor},
         "step_wall_s": measured["step_s"],
-        **provenance(args.threads),
+        **trace,
     }
     print(json.dumps(record), flush=True)
     return record

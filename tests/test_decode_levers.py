@@ -13,12 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_every_variant_is_timed_and_the_merged_adapter_scores_alike():
     command = [sys.executable, "benchmarks/decode_levers.py", "--rows", "4", "--generations", "2", "--new-tokens", "4",
-               "--prompt-tokens", "12", "--repeats", "1", "--threads", "1"]  # fmt: skip
+               "--prompt-tokens", "12", "--repeats", "1", "--threads", "1", "--int8"]  # fmt: skip
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
     record = json.loads(line)
-    assert set(record["ms_per_step"]) == {"lora", "lora_no_autocast", "merged", "base"}
+    assert set(record["ms_per_step"]) == {"lora", "lora_no_autocast", "merged", "base", "int8"}
+    assert record["int8_kl"] >= 0
     assert all(ms > 0 for ms in record["ms_per_step"].values())
     assert record["rows"] == 4 and record["new_tokens"] == 4 and record["dtype"] == "float32"
     assert record["logit_scale"] > 0 and record["merged_max_logit_diff"] < 1e-3 * max(record["logit_scale"], 1.0)
