@@ -15,7 +15,9 @@ adapter's included) and `H` those of the output layer,
   token; without LoRA the weights' gradients double it); the reference forward when beta > 0.
 
 The floor of a phase is the larger of its FLOPs over the matmul rate of its shape and its bytes over the bandwidth;
-`share` is floor / measured, per phase and for the step (rollout + update). The step itself runs through
+`share` is floor / measured, per phase and for the step (rollout + update), in wall time;
+`share_of_cpu_time` is the step's floor over the CPU time the process spent in the step (reward and data included),
+the figure to read when other jobs share the machine and `--threads` is 1. The step itself runs through
 `grpo_step.py`'s harness (the module under a Lightning Trainer, LoRA r=16 with `--lora`).
 
     python benchmarks/floor.py [--model smollm2-135m-instruct] [--threads 2] [--words 10] [--prompts 4]
@@ -194,6 +196,9 @@ def main(argv: list[str] | None = None) -> dict:
         "measured_s": {k: round(v, 3) for k, v in seconds.items()},
         "share": {k: round(floor[k] / seconds[k], 3) for k in floor},
         "step_wall_s": measured["step_s"],
+        # with one thread, CPU time is the step's own work even when other jobs share the machine
+        "step_cpu_s": measured["step_cpu_s"],
+        "share_of_cpu_time": round(floor["step"] / measured["step_cpu_s"], 3),
         **trace,
     }
     print(json.dumps(record), flush=True)
