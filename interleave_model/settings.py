@@ -14,15 +14,20 @@ Checkpoints written before the groups existed hold the same settings flat (`temp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from interleave_model.algorithm.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
-from interleave_model.algorithm.schedule import LrSchedule
-from interleave_model.evaluation.evaluator import resolve_pass_k
 from interleave_model.generation.sampler import Sampling  # beside its reader; one of the groups
+
+# The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
+KlEstimator = Literal["k1", "k2", "k3"]
+LossType = Literal["grpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo"]
+LrSchedule = Literal["cosine", "constant"]
 
 
 @dataclass
@@ -126,6 +131,22 @@ class Evaluation:
 
     def __post_init__(self) -> None:
         resolve_pass_k(self.num_samples, self.pass_k)  # a k outside [1, num_samples] is refused when built
+
+
+def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
+    """The sorted k values of pass@k for `num_samples` answers per prompt; None means ``[1, num_samples]``.
+
+    Raises:
+        ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
+    """
+    if num_samples < 0:
+        raise ValueError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
+    if num_samples == 0:
+        return []
+    ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
+    if not ks or ks[0] < 1 or ks[-1] > num_samples:
+        raise ValueError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
+    return ks
 
 
 GROUPS: dict[str, type] = {"sampling": Sampling, "loss": Loss, "optimization": Optimization, "evaluation": Evaluation}
