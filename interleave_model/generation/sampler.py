@@ -12,9 +12,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from interleave_model.generation.rollout import Rollout, rollout, token_budget
-from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings
+from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
-from interleave_model.settings import Sampling
+from interleave_model.settings import Sampling, VllmSettings
 
 
 class Sampler:
