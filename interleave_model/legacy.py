@@ -7,8 +7,10 @@ Two kinds of old name:
   and a config may name a class by one (`class_path: interleave_model.callbacks.CurriculumCallback`). An import
   finder, installed when `interleave_model` is imported, makes `interleave_model.policy` the module
   `interleave_model.model.policy` itself, the same object, imported on first use, so the class a config names is the
-  class the code uses; `old_paths` gives the settings classes' old paths to `torch.serialization`, so
-  `torch.load(weights_only=True)` accepts either path.
+  class the code uses. The settings classes a checkpoint pickles stood in the modules that read them before
+  `settings.py` held every group (`interleave_model.model.policy.LoraSettings`, `SETTINGS_MOVED`); those modules
+  still import them, and `old_paths` gives every old path to `torch.serialization`, so `torch.load(weights_only=True)`
+  accepts each.
 - **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
   (`temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its group; `checkpoint_groups` reads
   a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook
@@ -49,13 +51,25 @@ MOVED = {
 }
 
 
+# settings class -> the module that held it before settings.py held every group; checkpoints pickled it there
+SETTINGS_MOVED = {
+    "TinyModelConfig": "model.policy",
+    "LoraSettings": "model.policy",
+    "DynamicSampling": "algorithm.dynamic_sampling",
+    "VllmSettings": "generation.vllm_engine",
+}
+
+
 def old_paths(classes: Iterable[type]) -> list[tuple[type, str]]:
-    """Each class with the dotted path it had before its module moved (`interleave_model.policy.LoraSettings`), as
-    `torch.serialization.add_safe_globals` takes them; a class whose module never moved has none."""
+    """Each class with the dotted paths it had before it moved, as `torch.serialization.add_safe_globals` takes them:
+    its module's before settings.py held every group (`interleave_model.model.policy.LoraSettings`) and that
+    module's before the subpackages (`interleave_model.policy.LoraSettings`); a class that never moved has none."""
     found = []
     for cls in classes:
-        where = cls.__module__.removeprefix(f"{_PACKAGE}.")
-        found += [(cls, f"{_PACKAGE}.{old}.{cls.__qualname__}") for old, new in MOVED.items() if new == where]
+        before = SETTINGS_MOVED.get(cls.__qualname__)
+        where = before or cls.__module__.removeprefix(f"{_PACKAGE}.")
+        homes = ([before] if before else []) + [old for old, new in MOVED.items() if new == where]
+        found += [(cls, f"{_PACKAGE}.{home}.{cls.__qualname__}") for home in homes]
     return found
 
 

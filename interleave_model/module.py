@@ -21,7 +21,7 @@ from interleave_model.algorithm.completions import (
     completion_logprobs,
     row_chunks,
 )
-from interleave_model.algorithm.dynamic_sampling import DynamicSampling, refill
+from interleave_model.algorithm.dynamic_sampling import refill
 from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
@@ -33,13 +33,10 @@ from interleave_model.evaluation.evaluator import Evaluator
 from interleave_model.evaluation.steps import EvaluationSteps
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
-from interleave_model.generation.vllm_engine import VllmSettings
 from interleave_model.legacy import checkpoint_groups, old_paths
 from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.model.policy import (
     TINY,
-    LoraSettings,
-    TinyModelConfig,
     as_reference,
     base_from_disk,
     build_policy,
@@ -53,10 +50,14 @@ from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
 from interleave_model.settings import (
     GROUPS,
+    DynamicSampling,
     Evaluation,
+    LoraSettings,
     Loss,
     Optimization,
     Sampling,
+    TinyModelConfig,
+    VllmSettings,
     as_group,
     check_groups,
     typed,

@@ -1,28 +1,78 @@
-"""The model's training and evaluation settings, in four groups, with TRL's names where TRL has the knob.
+"""Every settings group of the model, with TRL's names where TRL has the knob: the one place a reader looks them up.
+
+Each group is a dataclass that a config writes under its key of `model`; the code that reads a group imports it from
+here, and this module imports nothing of the project.
 
 ```yaml
 model:
-  sampling:      {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
-  loss:          {beta: 0.04, kl_estimator: k3, epsilon: 0.2, loss_type: grpo, scale_rewards: group, ...}
-  optimization:  {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
-  evaluation:    {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
+  sampling:          {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
+  loss:              {beta: 0.04, kl_estimator: k3, epsilon: 0.2, loss_type: grpo, scale_rewards: group, ...}
+  optimization:      {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
+  evaluation:        {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
+  tiny:              {hidden_size: 128, num_layers: 2, num_heads: 4, intermediate_size: 256, ...}
+  lora:              {r: 16, alpha: 32, dropout: 0.05, target_modules: all-linear, top_layers: null}   # null: off
+  dynamic_sampling:  {max_rounds: 2}                                                                  # null: off
+  vllm:              {gpu_memory_utilization: 0.3, max_model_len: null, enforce_eager: false, ...}     # null: off
 ```
 
-Checkpoints written before the groups existed hold the same settings flat (`temperature`, `eval_num_samples`, ...);
-`legacy.grouped_hparams` puts them into their groups, so those checkpoints still load.
+- `Sampling` (`model.sampling`): how the training rollout samples; read by `generation/sampler.py` and the module.
+- `Loss` (`model.loss`): the GRPO objective; the module hands it to `algorithm/grpo.py`'s functions.
+- `Optimization` (`model.optimization`): the optimizer and `algorithm/schedule.py`'s learning rate.
+- `Evaluation` (`model.evaluation`): how validation, test and predict answer; read by `evaluation/evaluator.py`.
+- `TinyModelConfig` (`model.tiny`): the embedded tiny model's shape; read by `model/policy.py`.
+- `LoraSettings` (`model.lora`): the adapter; read by `model/policy.py`.
+- `DynamicSampling` (`model.dynamic_sampling`): DAPO's refill; the module runs `algorithm/dynamic_sampling.py`.
+- `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
+
+The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `LrSchedule`),
+so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the first four flat
+(`temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them into their groups. The classes also
+stay importable from the modules that held them before (`model.policy.LoraSettings`), by which older checkpoints
+name them (`legacy.old_paths`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_warn
 
-from interleave_model.algorithm.grpo import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
-from interleave_model.algorithm.schedule import LrSchedule
-from interleave_model.evaluation.evaluator import resolve_pass_k
-from interleave_model.generation.sampler import Sampling  # beside its reader; one of the groups
+# The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
+KlEstimator = Literal["k1", "k2", "k3"]
+LossType = Literal["grpo", "dr_grpo", "dapo"]
+ScaleRewards = Literal["group", "batch", "none"]
+AdvantageEstimator = Literal["grpo", "rloo"]
+LrSchedule = Literal["cosine", "constant"]
+
+
+@dataclass
+class Sampling:
+    """How the training rollout samples (`model.sampling`).
+
+    Args:
+        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
+        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL) at the start of training;
+            the one in use is the module's (`InterleaveGRPO.temperature`), which a curriculum may raise.
+        top_p: Nucleus sampling mass.
+        top_k: Keep the k most likely tokens; 0 keeps all.
+        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        budget_margin: Share of the longest target's token length added to the automatic budget.
+    """
+
+    num_generations: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int | None = None
+    budget_margin: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.num_generations < 2:
+            raise ValueError(
+                f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
+            )
 
 
 @dataclass
@@ -128,6 +178,132 @@ class Evaluation:
         resolve_pass_k(self.num_samples, self.pass_k)  # a k outside [1, num_samples] is refused when built
 
 
+def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
+    """The sorted k values of pass@k for `num_samples` answers per prompt; None means ``[1, num_samples]``.
+
+    Raises:
+        ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
+    """
+    if num_samples < 0:
+        raise ValueError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
+    if num_samples == 0:
+        return []
+    ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
+    if not ks or ks[0] < 1 or ks[-1] > num_samples:
+        raise ValueError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
+    return ks
+
+
+@dataclass
+class TinyModelConfig:
+    """Shape of the embedded tiny Llama that the demo and the tests train on a CPU (`model.tiny`).
+
+    Args:
+        hidden_size: Width of the residual stream.
+        num_layers: Number of decoder layers.
+        num_heads: Attention heads (and key/value heads).
+        intermediate_size: Width of the MLP.
+        max_position_embeddings: Longest prompt + answer, in tokens (500-word stages need about 2,100).
+        freeze_embeddings: Keep the tied embeddings at their random init. Measured: trainable embeddings never
+            learn to copy words unseen in training (held-out plateau 0.83); frozen random ones do (0.97).
+        embedding_std: Standard deviation of the (tied) embeddings' random init. As output rows they set how sharp
+            the softmax can get: at 0.02 (the Llama default) supervised training plateaued near 0.92 held-out at
+            10 words; at 0.1 the same run reached 0.98.
+    """
+
+    hidden_size: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    intermediate_size: int = 256
+    max_position_embeddings: int = 4096
+    freeze_embeddings: bool = True
+    embedding_std: float = 0.1
+
+
+ALL_LINEAR = "all-linear"
+"""peft's shorthand for every linear layer but the output head, whatever the family calls them (Llama's seven
+projections, GPT-2's `c_attn`, `c_proj`, `c_fc`)."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapter settings (`model.lora`; null trains all weights), passed to `peft.LoraConfig`.
+
+    Args:
+        r: Rank of the update.
+        alpha: Scaling numerator (`lora_alpha`); the update is scaled by alpha / r.
+        dropout: Dropout on the adapter input.
+        target_modules: Names of the linear layers that get an adapter, or "all-linear" (the default): every linear
+            layer but the output head, under the family's own names.
+        top_layers: Adapt only the last this many decoder layers (peft's `layers_to_transform`); None adapts all.
+            The backward then stops at the lowest adapted layer: with the top third of the layers, an update costs
+            about half of what the whole stack does.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.05
+    target_modules: list[str] | str = ALL_LINEAR
+    top_layers: int | None = None
+
+
+@dataclass
+class DynamicSampling:
+    """Settings of dynamic sampling (`model.dynamic_sampling`); null (the default) turns it off.
+
+    A group whose G rewards are all equal has zero advantage: it adds no policy gradient, only KL and a share of the
+    normaliser. Such groups are dropped and replaced by groups rolled out for extra prompts of the same stage.
+
+    Args:
+        max_rounds: Refill rounds per batch at most; each rolls out as many extra prompts as groups are missing.
+            At the cap the missing groups are filled with dropped ones (zero advantage, KL only), so every batch
+            keeps its size (every DDP rank runs the same number of backward passes) and a collapsed run still
+            steps rather than loop.
+    """
+
+    max_rounds: int = 2
+
+    def __post_init__(self):
+        if self.max_rounds < 0:
+            raise ValueError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
+
+
+@dataclass
+class VllmSettings:
+    """The vLLM engine's options (`model.vllm`, read when `model.rollout_engine: vllm`).
+
+    Args:
+        gpu_memory_utilization: Share of the GPU's memory the engine may take for its weights and KV cache; the
+            trainer's weights, optimizer state and activations live in the rest (docs/SCALING.md). On a CPU, vLLM
+            reads it as a share of the machine's memory.
+        kv_cache_memory_bytes: Exact KV-cache size in bytes instead of a share; None sizes it from the share.
+        max_model_len: Longest prompt + completion in tokens; None takes the model's own limit.
+        enforce_eager: Skip CUDA graphs and compilation (quicker start, slower decoding).
+        enable_sleep_mode: Free the engine's KV cache and move its weights off the GPU while the policy updates
+            (GPU only).
+        max_lora_rank: Largest LoRA rank the engine reserves room for; None takes the adapter's rank.
+        importance_sampling_correction: Weight each token's policy-gradient term by the truncated importance ratio
+            between the trainer's and the engine's log-probs (TRL's `vllm_importance_sampling_correction`): the
+            engine's numerics (bf16 kernels, another attention) sample from a slightly different policy.
+        importance_sampling_cap: Upper bound of that ratio (TRL's `vllm_importance_sampling_cap`).
+        seed_each_request: Give every prompt of a rollout its own seed, drawn from the trainer's generator, so a
+            rollout is reproducible from the generator's state (a resumed run samples what the first one would have).
+            Seeded requests take vLLM's one-request-at-a-time sampling path, slower on a GPU; off (as in TRL), the
+            engine's own stream, seeded once at its start, draws every rollout.
+    """
+
+    gpu_memory_utilization: float = 0.3
+    kv_cache_memory_bytes: int | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    enable_sleep_mode: bool = False
+    max_lora_rank: int | None = None
+    importance_sampling_correction: bool = False
+    importance_sampling_cap: float = 2.0
+    seed_each_request: bool = False
+
+
+# the groups that always hold a value: the module keeps them in its hparams as plain dicts (the others as given)
 GROUPS: dict[str, type] = {"sampling": Sampling, "loss": Loss, "optimization": Optimization, "evaluation": Evaluation}
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -12,27 +11,7 @@ from torch.nn import functional as F
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.records import Trajectory
 from interleave_model.generation.rollout import Rollout
-
-
-@dataclass
-class DynamicSampling:
-    """Settings of dynamic sampling; `model.dynamic_sampling: null` (the default) turns it off.
-
-    A group whose G rewards are all equal has zero advantage: it adds no policy gradient, only KL and a share of the
-    normaliser. Such groups are dropped and replaced by groups rolled out for extra prompts of the same stage.
-
-    Args:
-        max_rounds: Refill rounds per batch at most; each rolls out as many extra prompts as groups are missing.
-            At the cap the missing groups are filled with dropped ones (zero advantage, KL only), so every batch
-            keeps its size (every DDP rank runs the same number of backward passes) and a collapsed run still
-            steps rather than loop.
-    """
-
-    max_rounds: int = 2
-
-    def __post_init__(self):
-        if self.max_rounds < 0:
-            raise ValueError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
+from interleave_model.settings import DynamicSampling as DynamicSampling  # checkpoints and configs name it here
 
 
 def refill(

@@ -12,18 +12,13 @@ pi, its expected gradient is zero (it is the score function's mean), so ``beta *
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple, get_args
 
 import torch
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import token_logprobs
-
-# The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
-KlEstimator = Literal["k1", "k2", "k3"]
-LossType = Literal["grpo", "dr_grpo", "dapo"]
-ScaleRewards = Literal["group", "batch", "none"]
-AdvantageEstimator = Literal["grpo", "rloo"]
+from interleave_model.settings import AdvantageEstimator, KlEstimator, LossType, ScaleRewards
 
 SCALE_REWARDS = get_args(ScaleRewards)
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)

@@ -12,12 +12,13 @@ import torch
 from torch import Tensor
 
 from interleave_model.algorithm import grpo
+from interleave_model.settings import AdvantageEstimator
 
 
 def batch_scaled_advantages(
     rewards: Tensor,
     num_generations: int,
-    estimator: grpo.AdvantageEstimator,
+    estimator: AdvantageEstimator,
     sum_over_ranks: Callable[[Tensor], Tensor],
 ) -> Tensor:
     """Advantages [P*G] scaled by the reward std of every rank's batch (`scale_rewards: batch`)."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from typing import Literal, get_args
+from typing import get_args
 
-LrSchedule = Literal["cosine", "constant"]
+from interleave_model.settings import LrSchedule
+
 SCHEDULES = get_args(LrSchedule)
 
 

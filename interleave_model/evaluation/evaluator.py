@@ -24,6 +24,7 @@ from torchmetrics import Metric
 
 from interleave_model.evaluation.alignment import align, score, words
 from interleave_model.evaluation.metric import AlignmentScore
+from interleave_model.settings import resolve_pass_k
 
 GREEDY_KEYS = (
     "score",
@@ -54,22 +55,6 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:  # every draw of k samples holds a correct one
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
-    """The sorted k values of pass@k for `num_samples` answers per prompt; None means ``[1, num_samples]``.
-
-    Raises:
-        ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
-    """
-    if num_samples < 0:
-        raise ValueError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
-    if num_samples == 0:
-        return []
-    ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
-    if not ks or ks[0] < 1 or ks[-1] > num_samples:
-        raise ValueError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
-    return ks
 
 
 def distinct_answers(answers: Sequence[str]) -> int:

@@ -6,43 +6,15 @@ need, so the two engines differ only in where the tokens come from.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from interleave_model.generation.rollout import Rollout, rollout, token_budget
-from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings
+from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
-
-
-@dataclass
-class Sampling:
-    """How the training rollout samples (`model.sampling`).
-
-    Args:
-        num_generations: Completions per prompt (G); group-relative advantages need at least 2.
-        temperature: Sampling temperature of the rollout (and of the log-probs, as in TRL) at the start of training;
-            the one in use is the module's (`InterleaveGRPO.temperature`), which a curriculum may raise.
-        top_p: Nucleus sampling mass.
-        top_k: Keep the k most likely tokens; 0 keeps all.
-        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
-        budget_margin: Share of the longest target's token length added to the automatic budget.
-    """
-
-    num_generations: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_new_tokens: int | None = None
-    budget_margin: float = 0.25
-
-    def __post_init__(self) -> None:
-        if self.num_generations < 2:
-            raise ValueError(
-                f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
-            )
+from interleave_model.settings import Sampling, VllmSettings
 
 
 class Sampler:

@@ -7,7 +7,6 @@ import os
 import shutil
 import tempfile
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from transformers.utils import logging as hf_logging
 from interleave_model.generation.rollout import Rollout, completion_texts
 from interleave_model.model.policy import is_peft
 from interleave_model.runtime.machine import cpu_memory, engine_settings
+from interleave_model.settings import VllmSettings
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.
@@ -67,41 +67,6 @@ def launcher_environment() -> dict[str, str]:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     local = os.environ.get("LOCAL_RANK") or str(torch.cuda.current_device() if torch.cuda.is_available() else rank)
     return {"RANK": str(rank), "LOCAL_RANK": local, "WORLD_SIZE": str(world)}
-
-
-@dataclass
-class VllmSettings:
-    """The vLLM engine's options (`model.rollout_engine: vllm`).
-
-    Args:
-        gpu_memory_utilization: Share of the GPU's memory the engine may take for its weights and KV cache; the
-            trainer's weights, optimizer state and activations live in the rest (docs/SCALING.md). On a CPU, vLLM
-            reads it as a share of the machine's memory.
-        kv_cache_memory_bytes: Exact KV-cache size in bytes instead of a share; None sizes it from the share.
-        max_model_len: Longest prompt + completion in tokens; None takes the model's own limit.
-        enforce_eager: Skip CUDA graphs and compilation (quicker start, slower decoding).
-        enable_sleep_mode: Free the engine's KV cache and move its weights off the GPU while the policy updates
-            (GPU only).
-        max_lora_rank: Largest LoRA rank the engine reserves room for; None takes the adapter's rank.
-        importance_sampling_correction: Weight each token's policy-gradient term by the truncated importance ratio
-            between the trainer's and the engine's log-probs (TRL's `vllm_importance_sampling_correction`): the
-            engine's numerics (bf16 kernels, another attention) sample from a slightly different policy.
-        importance_sampling_cap: Upper bound of that ratio (TRL's `vllm_importance_sampling_cap`).
-        seed_each_request: Give every prompt of a rollout its own seed, drawn from the trainer's generator, so a
-            rollout is reproducible from the generator's state (a resumed run samples what the first one would have).
-            Seeded requests take vLLM's one-request-at-a-time sampling path, slower on a GPU; off (as in TRL), the
-            engine's own stream, seeded once at its start, draws every rollout.
-    """
-
-    gpu_memory_utilization: float = 0.3
-    kv_cache_memory_bytes: int | None = None
-    max_model_len: int | None = None
-    enforce_eager: bool = False
-    enable_sleep_mode: bool = False
-    max_lora_rank: int | None = None
-    importance_sampling_correction: bool = False
-    importance_sampling_cap: float = 2.0
-    seed_each_request: bool = False
 
 
 class VllmEngine:

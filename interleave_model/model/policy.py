@@ -6,7 +6,6 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -15,66 +14,16 @@ from transformers.pytorch_utils import Conv1D
 
 from interleave_data.corpus import first_line, load_corpus
 from interleave_data.prompts import format_prompt
+from interleave_model.settings import ALL_LINEAR, LoraSettings, TinyModelConfig
 
 TINY = "tiny"
 """`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
-ALL_LINEAR = "all-linear"
-"""peft's shorthand for every linear layer but the output head, whatever the family calls them (Llama's seven
-projections, GPT-2's `c_attn`, `c_proj`, `c_fc`)."""
 
 
 class PolicyError(ValueError):
     """A model or tokenizer that cannot be used, explained in one line."""
-
-
-@dataclass
-class TinyModelConfig:
-    """Shape of the embedded tiny Llama that the demo and the tests train on a CPU.
-
-    Args:
-        hidden_size: Width of the residual stream.
-        num_layers: Number of decoder layers.
-        num_heads: Attention heads (and key/value heads).
-        intermediate_size: Width of the MLP.
-        max_position_embeddings: Longest prompt + answer, in tokens (500-word stages need about 2,100).
-        freeze_embeddings: Keep the tied embeddings at their random init. Measured: trainable embeddings never
-            learn to copy words unseen in training (held-out plateau 0.83); frozen random ones do (0.97).
-        embedding_std: Standard deviation of the (tied) embeddings' random init. As output rows they set how sharp
-            the softmax can get: at 0.02 (the Llama default) supervised training plateaued near 0.92 held-out at
-            10 words; at 0.1 the same run reached 0.98.
-    """
-
-    hidden_size: int = 128
-    num_layers: int = 2
-    num_heads: int = 4
-    intermediate_size: int = 256
-    max_position_embeddings: int = 4096
-    freeze_embeddings: bool = True
-    embedding_std: float = 0.1
-
-
-@dataclass
-class LoraSettings:
-    """LoRA adapter settings, passed to `peft.LoraConfig`.
-
-    Args:
-        r: Rank of the update.
-        alpha: Scaling numerator (`lora_alpha`); the update is scaled by alpha / r.
-        dropout: Dropout on the adapter input.
-        target_modules: Names of the linear layers that get an adapter, or "all-linear" (the default): every linear
-            layer but the output head, under the family's own names.
-        top_layers: Adapt only the last this many decoder layers (peft's `layers_to_transform`); None adapts all.
-            The backward then stops at the lowest adapted layer: with the top third of the layers, an update costs
-            about half of what the whole stack does.
-    """
-
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.05
-    target_modules: list[str] | str = ALL_LINEAR
-    top_layers: int | None = None
 
 
 def build_policy(

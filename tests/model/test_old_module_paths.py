@@ -21,6 +21,7 @@ import zipfile
 from pathlib import Path
 
 import lightning as L
+import pytest
 import torch
 
 from interleave_data.datamodule import InterleaveDataModule
@@ -76,3 +77,20 @@ def test_old_module_names_are_the_moved_modules():
     )
     assert old is new and old.CurriculumCallback.__module__ == "interleave_model.run.callbacks"
     assert importlib.import_module("interleave_model.vllm_engine").VllmSettings is VllmSettings
+
+
+@pytest.mark.parametrize(
+    ("cls", "home"),
+    [(TinyModelConfig, "model.policy"), (LoraSettings, "model.policy"),
+     (DynamicSampling, "algorithm.dynamic_sampling"), (VllmSettings, "generation.vllm_engine")],
+)  # fmt: skip
+def test_settings_pickled_in_the_modules_that_read_them_load_with_weights_only(cls, home, tmp_path, monkeypatch):
+    """Before settings.py held every group, these classes stood in their readers, and checkpoints name them there."""
+    import interleave_model.module  # noqa: F401  (registers the settings as safe globals)
+
+    path = tmp_path / "settings.pt"
+    with monkeypatch.context() as patch:
+        patch.setattr(cls, "__module__", f"interleave_model.{home}")  # pickled by the name it had there
+        torch.save({"settings": cls()}, path)
+    assert f"interleave_model.{home}".encode() in zipfile.ZipFile(path).read("settings/data.pkl")
+    assert torch.load(path, weights_only=True)["settings"] == cls()
