@@ -214,10 +214,15 @@ class Curriculum:
 
     # ---------------------------------------------------------------- the training stream
 
+    @property
+    def grpo_start(self) -> int:
+        """The first GRPO batch: `sft_steps`, or earlier where a held-out score ended the warm-start (`warm_end`).
+        A warm-start batch is one optimizer step, so it is also the step GRPO starts at; GRPO batches carry it."""
+        return self.sft_steps if self.state.warm_end is None else min(self.state.warm_end, self.sft_steps)
+
     def warm_start(self, k: int) -> bool:
         """Whether batch `k` is a supervised warm-start batch."""
-        end = self.sft_steps if self.state.warm_end is None else min(self.state.warm_end, self.sft_steps)
-        return k < end
+        return k < self.grpo_start
 
     def draw_stage(self, k: int) -> int:
         """The stage batch `k` is drawn at; applies the pending moves up to `k`."""

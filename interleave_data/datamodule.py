@@ -254,8 +254,10 @@ class InterleaveDataModule(LightningDataModule):
         return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
     def _collate_train(self, item: tuple[str, list[Example]]) -> dict:
+        """A training batch; a GRPO one also carries `grpo_start`, the step GRPO began at (`Curriculum.grpo_start`)."""
         phase, examples = item
-        return self.collate(examples, phase)
+        batch = self.collate(examples, phase)
+        return batch | {"grpo_start": self.curriculum.grpo_start} if phase == "grpo" else batch
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
         return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))

@@ -162,7 +162,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
-        # the step GRPO started at: data.sft_steps, or earlier if data.curriculum.warm_start_until ended the warm-start
+        # the step GRPO started at, as the GRPO batches carry it (the curriculum's: data.sft_steps, or earlier if
+        # data.curriculum.warm_start_until ended the warm-start); None until the first GRPO batch of this process
         self.grpo_start: int | None = None
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
@@ -204,8 +205,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         if batch["phase"] == "sft":
             stats = self.sft_step(batch)
         else:
-            if self.grpo_start is None:  # the first GRPO batch (min: a run that warm-started before this was kept)
-                self.grpo_start = min(self.global_step, self.optimization.sft_steps)
+            self.grpo_start = batch["grpo_start"]
+            if self.global_step == self.grpo_start:  # the first GRPO batch (a warm-start batch is one step)
                 # GRPO starts with fresh AdamW moments, as a run started from the warm start's weights does: the
                 # supervised steps' moments would size GRPO's first updates by another loss's gradients
                 self.optimizers().optimizer.state.clear()
@@ -242,11 +243,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.hparams.model_name_or_path
         save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
-        checkpoint["grpo_start"] = self.grpo_start
         checkpoint["temperature"] = self.temperature
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.grpo_start = checkpoint.get("grpo_start")
         self.temperature = checkpoint.get("temperature", self.sampling.temperature)
         state = checkpoint, self.policy, self.reference, self._generator, self.device
         self.guard.skipped, self.reference = restore_run_state(*state)
