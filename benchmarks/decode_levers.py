@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import sys
 import tempfile
 import time
 
@@ -102,10 +101,9 @@ def main(argv: list[str] | None = None) -> dict:
 
             folder = random_model_folder(args.random_init, work, "compact")
         elif folder is None:
-            sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent.parent / "tests"))
-            from families import build_family  # the Llama-3 test fixture
+            from rollout import fixture_folder
 
-            folder = str(build_family("llama3", __import__("pathlib").Path(work)))
+            folder = fixture_folder(work)
         model, tokenizer = load_pretrained(resolve_model(folder), dtype=args.dtype)
     model = model.to(device)
     config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
@@ -182,10 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
         record["int8_kl"] = round(float((p.exp() * (p - q)).sum(-1).mean()), 4)
     if device == "cuda":
         from gpu_check import nominal_bandwidth
+        from grpo_step import weight_bytes
 
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bandwidth = nominal_bandwidth(torch.cuda.get_device_name())
-        record["floor_ms_per_step"] = round(1000 * weight_bytes / bandwidth, 3) if bandwidth else None
+        record["floor_ms_per_step"] = round(1000 * weight_bytes(model) / bandwidth, 3) if bandwidth else None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             start = time.perf_counter()
             with_autocast()

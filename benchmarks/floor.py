@@ -36,7 +36,8 @@ import time
 from provenance import provenance
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
+    """This benchmark's arguments, and `grpo_step.py`'s for the step it runs."""
     from grpo_step import parse_args
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -103,6 +104,7 @@ def bandwidth(mib: int = 512, repeats: int = 5) -> float:
 def shape_of(policy) -> dict[str, int]:
     """Weights of the decoder's linear layers (adapters included), of the output layer, and the attention's size."""
     import torch
+    from grpo_step import weight_bytes
 
     head = policy.get_output_embeddings()
     linear = sum(p.numel() for m in policy.modules() if isinstance(m, torch.nn.Linear) and m is not head
@@ -114,7 +116,7 @@ def shape_of(policy) -> dict[str, int]:
         "hidden": config.hidden_size,
         "intermediate": getattr(config, "intermediate_size", 4 * config.hidden_size),
         "layers": config.num_hidden_layers,
-        "weight_bytes": sum(p.numel() * p.element_size() for p in policy.parameters()),
+        "weight_bytes": weight_bytes(policy),
     }
 
 
@@ -136,9 +138,8 @@ def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: fl
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import lightning as L
     import torch
-    from grpo_step import build, mark, summarize, time_phases
+    from grpo_step import build, mark, quiet_trainer, summarize, time_phases
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -159,10 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
             return trajectory, stats
 
         module.generate_trajectory = counted
-        trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=args.warmup + args.steps, logger=False,
-                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                            num_sanity_val_steps=0, limit_val_batches=0)  # fmt: skip
-        trainer.fit(module, datamodule=data)
+        quiet_trainer("cpu", None, args.warmup + args.steps).fit(module, datamodule=data)
         measured = summarize([*records, mark()], args.warmup, None)
     shape = shape_of(module.policy)
     rows = args.prompts * args.generations

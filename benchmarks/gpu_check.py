@@ -315,6 +315,7 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
 
     def phase(smoke: bool, work: Path) -> dict:
         import lightning as L
+        from grpo_step import weight_bytes
 
         if engine == "vllm":
             try:
@@ -334,7 +335,7 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
             if engine_used is not None:
                 engine_used.close()
         step = steps[-1]
-        weight_bytes = sum(p.numel() * p.element_size() for p in module.policy.parameters())
+        weights = weight_bytes(module.policy)
         bandwidth, tokens = nominal_bandwidth(gpu_name(smoke)), int(step["generated_tokens"])
         return {
             "model": step_model(smoke),
@@ -349,9 +350,9 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
             "decode_steps": step["width"],
             "tokens_per_s": round(tokens / step["step_s"], 1),
             "rollout_tokens_per_s": round(tokens / step["rollout_s"], 1),
-            "weight_bytes": weight_bytes,
+            "weight_bytes": weights,
             "hbm_bound_share": None if bandwidth is None else
-            round(weight_bytes * step["width"] / step["rollout_s"] / bandwidth, 4),
+            round(weights * step["width"] / step["rollout_s"] / bandwidth, 4),
             "vllm_sleep_mode": engine_used.sleep_mode if engine_used else None,  # as the engine ran (none on a CPU)
             **used,
         }  # fmt: skip
@@ -477,14 +478,10 @@ PHASES = {
 
 
 def trainer(smoke: bool, precision: str, max_steps: int, validate: bool = False):
-    """A one-device Trainer that writes nothing: training steps only, or validation only (`validate`)."""
-    import lightning as L
+    """`grpo_step.quiet_trainer` on the CPU for the smoke run, else on the GPU."""
+    from grpo_step import quiet_trainer
 
-    return L.Trainer(
-        accelerator="cpu" if smoke else "gpu", devices=1, precision=precision, max_steps=max_steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        limit_val_batches=1.0 if validate else 0,
-    )  # fmt: skip
+    return quiet_trainer("cpu" if smoke else "gpu", precision, max_steps, validate)
 
 
 def instrument(module) -> list[dict[str, float]]:

@@ -127,6 +127,22 @@ def time_phases(module, start=dict) -> list[dict[str, float]]:
     return records
 
 
+def quiet_trainer(accelerator: str, precision: str | None, max_steps: int, validate: bool = False):
+    """A one-device Trainer that writes nothing: training steps only, or validation only (`validate`)."""
+    import lightning as L
+
+    return L.Trainer(
+        accelerator=accelerator, devices=1, precision=precision, max_steps=max_steps, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        limit_val_batches=1.0 if validate else 0,
+    )  # fmt: skip
+
+
+def weight_bytes(model) -> int:
+    """Bytes of a model's parameters: what a decode step reads once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def mark() -> dict[str, float]:
     """A step's start: wall clock, CPU time and resident memory."""
     return {"start": time.perf_counter(), "cpu": time.process_time(), "rss": rss_mb()[0]}
@@ -199,26 +215,13 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
 
 def measure(args: argparse.Namespace, words: int, cache_dir: str) -> dict:
     """Train warmup + steps optimizer steps at one length and summarize the measured ones."""
-    import lightning as L
     import torch
 
     torch.manual_seed(0)
     model, data = build(args, words, cache_dir)
     records = time_phases(model, mark)  # a step starts at its rollout: its batch was drawn and collated just before
     precision = "bf16-mixed" if args.bf16 else None
-    trainer = L.Trainer(
-        accelerator=args.accelerator,
-        devices=1,
-        precision=precision,
-        max_steps=args.warmup + args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-    )
-    trainer.fit(model, datamodule=data)
+    quiet_trainer(args.accelerator, precision, args.warmup + args.steps).fit(model, datamodule=data)
     report = summarize([*records, mark()], args.warmup, max(r["width"] for r in records))
     if torch.cuda.is_available() and args.accelerator != "cpu":
         report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
