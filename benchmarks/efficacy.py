@@ -41,7 +41,7 @@ from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule, batches_run
 from interleave_model.algorithm.grpo import zero_std_groups
-from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward
+from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward, PrefixReward
 from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
@@ -52,7 +52,7 @@ SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
 BATCH_KEYS = (*SAMPLE_KEYS, "grad_norm", "grad_clipped")
 # per held-out evaluation, at the first length
 HELD_OUT_KEYS = ("score_stderr", "a_accuracy", "b_accuracy", "length_ratio", "copy_share")
-REWARDS = {"alignment": AlignmentReward, "both_streams": BothStreamsReward}
+REWARDS = {"alignment": AlignmentReward, "both_streams": BothStreamsReward, "prefix": PrefixReward}
 
 
 class EndOfWarmStart(L.Callback):
