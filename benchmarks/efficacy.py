@@ -39,7 +39,7 @@ from provenance import provenance
 
 from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
-from interleave_data.datamodule import InterleaveDataModule, batches_run
+from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward, PrefixReward
 from interleave_model.legacy import grouped_hparams
@@ -59,7 +59,7 @@ class EndOfWarmStart(L.Callback):
     """Stops training after the last warm-start batch, before any GRPO update."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if not trainer.datamodule.curriculum.warm_start(batches_run(trainer)):
+        if not trainer.datamodule.curriculum.warm_start(trainer.datamodule.batches_run):
             trainer.should_stop = True
 
 

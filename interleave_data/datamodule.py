@@ -102,6 +102,8 @@ class InterleaveDataModule(LightningDataModule):
         self._check_args()
         self.tokenizer = tokenizer
         self._pools: dict[tuple[int, str], list[Example]] = {}
+        # training batches handed to the training step: counted here, checkpointed here (`batches_run`)
+        self._batches_run: int | None = 0
 
     def _check_args(self) -> None:
         if self.template not in TEMPLATES:
@@ -121,9 +123,11 @@ class InterleaveDataModule(LightningDataModule):
         return {"train": self.train_pairs, "val": self.val_pairs, "test": self.test_pairs}
 
     def state_dict(self) -> dict:
-        return {"curriculum": self.curriculum.state_dict()}
+        return {"curriculum": self.curriculum.state_dict(), "batches_run": self.batches_run}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # a checkpoint written before the count was kept here resumes at the trainer's global step (`batches_run`)
+        self._batches_run = state_dict.get("batches_run")
         if "curriculum" in state_dict:
             self.curriculum.load_state_dict(state_dict["curriculum"])
         else:  # written before the curriculum had one owner; CurriculumCallback hands over the rest
@@ -137,6 +141,26 @@ class InterleaveDataModule(LightningDataModule):
 
     def _cache_args(self) -> tuple:
         return self.corpus, self._lengths(), self.pairs, self.split_fractions, self.seed
+
+    @property
+    def batches_run(self) -> int:
+        """Training batches already run, across epochs and restored on resume: the index of the next one.
+
+        Each training batch carries its index in the stream (``batch_index``), and the count moves as the batch goes
+        to its training step (`on_before_batch_transfer`), so it is exact whether the checkpoint was saved at the end
+        of a batch, after validation, or at the end of fit. Not ``global_step``: under manual optimization a batch
+        may take several optimizer steps, or none when skipped. A checkpoint that predates the count gives none;
+        such a run resumes at the trainer's global step, its count when every batch took one step.
+        """
+        if self._batches_run is None:
+            return self.trainer.global_step if self.trainer is not None else 0
+        return self._batches_run
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """Counts a training batch as it goes to its step (`batches_run`); every batch passes unchanged."""
+        if isinstance(batch, dict) and "batch_index" in batch:
+            self._batches_run = batch["batch_index"] + 1
+        return batch
 
     @property
     def sft_steps(self) -> int:
@@ -210,10 +234,10 @@ class InterleaveDataModule(LightningDataModule):
         rng = random.Random(f"{self.seed}:refill:{k}:{round_}:{rank}")
         return self.collate(_sample(rng, self._train_pool(n_words, "grpo"), n), "grpo")
 
-    def refill_draw(self, n_words: int) -> Callable[[int, int], dict]:
-        """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for the batch being trained
-        (its index in the training stream, this rank), so a resumed run draws the same refills."""
-        k, rank = batches_run(self.trainer), self.trainer.global_rank
+    def refill_draw(self, k: int, n_words: int) -> Callable[[int, int], dict]:
+        """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for training batch ``k``
+        (its ``batch_index`` in the stream) on this rank, so a resumed run draws the same refills."""
+        rank = self.trainer.global_rank if self.trainer is not None else 0
         return lambda round_, n: self.sample_refill(k, round_, n, n_words, rank)
 
     def collate(self, examples: Sequence[Example], phase: str) -> dict:
@@ -253,10 +277,11 @@ class InterleaveDataModule(LightningDataModule):
         # In-process (num_workers=0) so a stage change is seen by the very next batch drawn.
         return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
-    def _collate_train(self, item: tuple[str, list[Example]]) -> dict:
-        """A training batch; a GRPO one also carries `grpo_start`, the step GRPO began at (`Curriculum.grpo_start`)."""
-        phase, examples = item
-        batch = self.collate(examples, phase)
+    def _collate_train(self, item: tuple[int, str, list[Example]]) -> dict:
+        """Training batch ``k``, which carries its index (``batch_index``); a GRPO one also carries `grpo_start`, the
+        step GRPO began at (`Curriculum.grpo_start`)."""
+        k, phase, examples = item
+        batch = self.collate(examples, phase) | {"batch_index": k}
         return batch | {"grpo_start": self.curriculum.grpo_start} if phase == "grpo" else batch
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
@@ -288,23 +313,14 @@ class _TrainStream(IterableDataset):
     def __init__(self, datamodule: InterleaveDataModule):
         self.datamodule = datamodule
 
-    def __iter__(self) -> Iterator[tuple[str, list[Example]]]:
-        trainer = self.datamodule.trainer
-        k = batches_run(trainer) if trainer is not None else 0
-        rank = trainer.global_rank if trainer is not None else 0
+    def __iter__(self) -> Iterator[tuple[int, str, list[Example]]]:
+        """``(k, phase, examples)`` from batch ``batches_run`` on: a resumed run continues where it stopped."""
+        datamodule = self.datamodule
+        k = datamodule.batches_run
+        rank = datamodule.trainer.global_rank if datamodule.trainer is not None else 0
         while True:
-            yield self.datamodule.sample_train_batch(k, rank)
+            yield k, *datamodule.sample_train_batch(k, rank)
             k += 1
-
-
-def batches_run(trainer) -> int:
-    """Training batches already run, across epochs and restored on resume.
-
-    Not ``global_step``: under manual optimization a batch may take several optimizer steps, or none when skipped.
-    ``processed`` is counted right after each training_step, so it is exact whether the checkpoint was saved at the
-    end of a batch, after validation, or at the end of fit.
-    """
-    return trainer.fit_loop.epoch_loop.batch_progress.total.processed
 
 
 def _loader(dataset, **kwargs) -> DataLoader:

@@ -17,7 +17,6 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from interleave_data.curriculum import Curriculum, Decision, StepCounts
-from interleave_data.datamodule import batches_run
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.model.export import export
 from interleave_model.run.runs import run_dir
@@ -82,7 +81,9 @@ class CurriculumCallback(L.Callback):
         value = trainer.callback_metrics.get(f"val/alignment_{self.curriculum.stage_words}w")
         if value is not None:
             # the next batch is already fetched: a warm-start ended now ends from the batch after it
-            message = self.curriculum.observe_validation(float(value), batches_run(trainer) + 1, trainer.global_step)
+            message = self.curriculum.observe_validation(
+                float(value), trainer.datamodule.batches_run + 1, trainer.global_step
+            )
             self._announce(message, trainer)
 
     @override
@@ -121,7 +122,7 @@ class CurriculumCallback(L.Callback):
         reward_sum, rows, groups, n_flat, n_stuck, n_distinct = total.tolist()
         if not groups:
             return None
-        run = batches_run(trainer)
+        run = trainer.datamodule.batches_run
         return StepCounts(
             reward=reward_sum / rows,
             zero_std_share=n_flat / groups,

@@ -17,7 +17,6 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from typing_extensions import override
 
-from interleave_data.datamodule import batches_run
 from interleave_model.evaluation.alignment import align
 from interleave_model.run.runs import run_dir
 
@@ -93,7 +92,7 @@ class SampleDump(L.Callback):
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         record = outputs.get("record") if isinstance(outputs, Mapping) else None
-        if record is None or batches_run(trainer) % self.every_n_steps:
+        if record is None or (batch["batch_index"] + 1) % self.every_n_steps:
             return
         rewards = record.rewards.detach().float().cpu().tolist()  # [P*G]
         G = record.num_generations

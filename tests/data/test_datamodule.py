@@ -128,11 +128,26 @@ def test_stream_is_seeded_per_batch_rank_and_resumes_at_consumed_batches(tmp_pat
     assert dm.sample_train_batch(3) == dm.sample_train_batch(3)
     assert dm.sample_train_batch(3) != dm.sample_train_batch(4)
     assert dm.sample_train_batch(3, rank=0) != dm.sample_train_batch(3, rank=1)
-    progress = SimpleNamespace(total=SimpleNamespace(processed=10))
-    dm.trainer = SimpleNamespace(
-        global_rank=1, fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress))
-    )
-    assert next(iter(dm.train_dataloader().dataset)) == dm.sample_train_batch(10, rank=1)
+    dm.load_state_dict(dm.state_dict() | {"batches_run": 10})  # a checkpoint saved after 10 batches
+    dm.trainer = SimpleNamespace(global_rank=1, global_step=3)
+    assert next(iter(dm.train_dataloader().dataset)) == (10, *dm.sample_train_batch(10, rank=1))
+
+
+def test_the_count_moves_as_each_training_batch_goes_to_its_step(tmp_path, tokenizer):
+    dm = make_dm(tmp_path, tokenizer, batch_size=4)
+    stream = iter(dm.train_dataloader())
+    first, second = next(stream), next(stream)  # the loop fetches a batch ahead: drawing one counts nothing
+    assert (first["batch_index"], second["batch_index"], dm.batches_run) == (0, 1, 0)
+    assert dm.on_before_batch_transfer(first, 0) is first and dm.batches_run == 1
+    dm.on_before_batch_transfer({"phase": "eval"}, 0)  # a held-out batch is not counted
+    assert dm.batches_run == 1 and dm.state_dict()["batches_run"] == 1
+
+
+def test_a_checkpoint_without_the_count_resumes_at_the_global_step(tmp_path):
+    dm = make_dm(tmp_path, batch_size=4)
+    dm.load_state_dict({"curriculum": dm.curriculum.state_dict()})  # written before the count was kept
+    dm.trainer = SimpleNamespace(global_rank=0, global_step=7)
+    assert dm.batches_run == 7 and next(iter(dm.train_dataloader().dataset))[0] == 7
 
 
 def test_state_dict_round_trip(tmp_path):

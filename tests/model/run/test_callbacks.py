@@ -37,6 +37,7 @@ class _DataModule:
 
     def __init__(self, stages=(4, 8, 16), sft_steps=0, **settings):
         self.curriculum = Curriculum(stages, settings=CurriculumSettings(**settings), sft_steps=sft_steps)
+        self.batches_run = 0
 
     @property
     def moves(self) -> list[tuple[int, int]]:
@@ -49,8 +50,6 @@ class _Trainer:
 
     def __init__(self, tmp_path, stages=(4, 8, 16)):
         self.datamodule = _DataModule(stages)
-        self.total = SimpleNamespace(processed=0)
-        self.fit_loop = SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=SimpleNamespace(total=self.total)))
         self.strategy = SimpleNamespace(reduce=lambda tensor, reduce_op: tensor)
         self.global_step, self.should_stop, self.sanity_checking = 0, False, False
         self.loggers, self.is_global_zero, self.world_size, self.global_rank = [], True, 1, 0
@@ -64,7 +63,7 @@ class _Trainer:
 
     def batch(self, callbacks, rewards, n_words, completions=None):
         """One batch: `rewards` is one list of G rewards per prompt, `n_words` one length per prompt."""
-        self.total.processed += 1
+        index, self.datamodule.batches_run = self.datamodule.batches_run, self.datamodule.batches_run + 1
         self.global_step += 1
         flat = [r for group in rewards for r in group]
         completions = completions or [f"answer {i}" for i in range(len(flat))]
@@ -73,13 +72,15 @@ class _Trainer:
             completions, torch.tensor(flat), G,
         )  # fmt: skip
         for callback in callbacks:
-            callback.on_train_batch_end(self, self.module, {"record": record}, None, 0)
+            callback.on_train_batch_end(self, self.module, {"record": record}, {"batch_index": index}, 0)
 
 
 def _curriculum(trainer, export=False, sft_steps=0, **settings) -> CurriculumCallback:
-    """A CurriculumCallback over a fresh curriculum with these settings (window 1 unless given)."""
-    stages = trainer.datamodule.curriculum.stages
+    """A CurriculumCallback over a fresh curriculum with these settings (window 1 unless given); the batches run so
+    far stay counted, as a DataModule restored from a checkpoint keeps them."""
+    stages, run = trainer.datamodule.curriculum.stages, trainer.datamodule.batches_run
     trainer.datamodule = _DataModule(stages, sft_steps, **({"window": 1} | settings))
+    trainer.datamodule.batches_run = run
     callback = CurriculumCallback(export=export)
     callback.setup(trainer, trainer.module, "fit")
     return callback
@@ -97,7 +98,7 @@ def test_advances_once_the_reward_held_the_threshold_for_patience_batches(tmp_pa
     assert trainer.datamodule.moves == []
     trainer.batch([cb], [GOOD], [4])
 
-    # decided after batch 6 (processed = 6); batch 7 is already fetched, so the move shows from batch 8 (index 7)
+    # decided after batch 6 (6 batches run); batch 7 is already fetched, so the move shows from batch 8 (index 7)
     assert trainer.datamodule.moves == [(1, 7)]
     assert cb.curriculum.state.stage_index == 1 and cb.curriculum.state.steps == 0
     assert cb.curriculum.state.history[-1] | {"why": ""} == {
@@ -175,7 +176,7 @@ def test_validation_score_is_also_required_when_configured(tmp_path):
 def test_a_validation_that_reaches_warm_start_until_ends_the_warm_start_from_the_batch_after_next(tmp_path):
     trainer = _Trainer(tmp_path)
     cb = _curriculum(trainer, sft_steps=100, warm_start_until=0.5)
-    trainer.total.processed, trainer.global_step = 30, 30  # 30 warm-start batches ran, the 31st (index 30) is fetched
+    trainer.datamodule.batches_run, trainer.global_step = 30, 30  # 30 warm-start batches ran, index 30 is fetched
 
     trainer.callback_metrics = {"val/alignment_4w": torch.tensor(0.45)}
     cb.on_validation_end(trainer, trainer.module)
