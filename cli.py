@@ -16,7 +16,7 @@ from lightning.pytorch.cli import LightningCLI
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.generation.vllm_engine import close_engines
-from interleave_model.legacy import grouped_hparams
+from interleave_model.legacy import MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
@@ -29,7 +29,7 @@ from interleave_model.runtime.compat import CompatCLI
 from interleave_model.runtime.machine import MachineError, settle, settle_engine
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError)
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError, MovedKeyError)
 
 
 class InterleaveTrainer(Trainer):
@@ -146,7 +146,7 @@ class InterleaveCLI(CompatCLI):
 def _check_tiny_vocabulary(hparams: dict, data) -> None:
     """A tiny model's vocabulary is the words of its corpus and template, which the data's settings replace (the CLI
     links them): a checkpoint of it is refused in one line, before it is built, under a config with other ones."""
-    if hparams.get("model_name_or_path", TINY) != TINY:
+    if hparams.get("base", {}).get("name_or_path", TINY) != TINY:
         return
     for key in ("template", "corpus"):
         trained = hparams.get(key, data[key])
@@ -161,6 +161,7 @@ def _check_tiny_vocabulary(hparams: dict, data) -> None:
 def main(args: list[str] | None = None) -> InterleaveCLI:
     """Run the CLI; `args` replaces sys.argv (tests call `main([...])`). Quiet unless `LOGLEVEL` is set."""
     configure_console()
+    check_moved_keys(sys.argv[1:] if args is None else args)
     return InterleaveCLI(
         InterleaveGRPO,
         InterleaveDataModule,

@@ -366,7 +366,7 @@ def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
     from interleave_model.generation.vllm_engine import VllmSettings
     from interleave_model.model.policy import LoraSettings
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Loss, Optimization, Sampling
+    from interleave_model.settings import Base, Loss, Optimization, Sampling
 
     settings = config("llama-3.2-3b.yaml")
     model, data = settings["model"], settings["data"]
@@ -374,14 +374,11 @@ def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
     if not (folder / "config.json").is_file():
         raise RuntimeError("the model folder was not written: see the random_model line")
     prompts, generations = (2, 4) if smoke else (data["batch_size"], model["sampling"]["num_generations"])
+    base = model["base"] | {"name_or_path": str(folder), "gradient_checkpointing": checkpointing}
     module = InterleaveGRPO(
-        model_name_or_path=str(folder),
+        base=Base(**base | ({"dtype": "float32"} if smoke else {})),
         template=data["template"],
-        dtype="float32" if smoke else model["dtype"],
-        attn_implementation=model.get("attn_implementation"),
         lora=LoraSettings(**model["lora"]),
-        gradient_checkpointing=checkpointing,
-        disable_dropout=model.get("disable_dropout", True),
         sampling=Sampling(**model["sampling"] | {"num_generations": generations}),
         loss=Loss(**model["loss"]),
         optimization=Optimization(**model["optimization"]),
@@ -402,7 +399,7 @@ def smollm2_fit(smoke: bool, work: Path) -> dict:
     from interleave_model.model.policy import LoraSettings
     from interleave_model.model.shipped import cache_root
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Evaluation, Loss, Optimization, Sampling
+    from interleave_model.settings import Base, Evaluation, Loss, Optimization, Sampling
 
     if not smoke and not (cache_root() / "models" / SHIPPED_NAME / "config.json").is_file():
         return {"skipped": f"{SHIPPED_NAME} not installed: python -m interleave_model.model.shipped {SHIPPED_NAME}"}
@@ -412,9 +409,8 @@ def smollm2_fit(smoke: bool, work: Path) -> dict:
     generations = generations or model["sampling"]["num_generations"]
     L.seed_everything(0, verbose=False)
     module = InterleaveGRPO(
-        model_name_or_path="tiny" if smoke else SHIPPED_NAME,
+        base=Base(name_or_path="tiny") if smoke else Base(**model["base"]),
         template=data["template"],
-        dtype=None if smoke else model["dtype"],
         lora=LoraSettings(**model["lora"]),
         sampling=Sampling(**model["sampling"] | {"num_generations": generations}),
         loss=Loss(**model["loss"]),

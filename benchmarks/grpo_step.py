@@ -190,17 +190,15 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
     from interleave_model.generation.vllm_engine import VllmSettings
     from interleave_model.model.policy import LoraSettings, TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Loss, Optimization, Sampling
+    from interleave_model.settings import Base, Loss, Optimization, Sampling
 
     shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                             intermediate_size=args.mlp)  # fmt: skip
     model = InterleaveGRPO(
-        model_name_or_path=args.model,
+        base=Base(name_or_path=args.model, dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing),
         tiny=shape,
         template=args.template,
-        dtype=args.dtype,
         lora=LoraSettings(r=args.lora_r) if args.lora else None,
-        gradient_checkpointing=args.gradient_checkpointing,
         rollout_engine=args.rollout_engine,
         vllm=VllmSettings(kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 2**20),
         sampling=Sampling(num_generations=args.generations, max_new_tokens=args.max_new_tokens),

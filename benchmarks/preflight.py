@@ -46,17 +46,17 @@ def module(name: str, config: Path, folder: Path):
     """The config's tiny model, or a family fixture built into `folder`, with the config's prompt template."""
     import yaml
 
-    from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
+    from interleave_model.settings import Base, TinyModelConfig
 
     settings = yaml.safe_load(config.read_text())
     template = settings["data"].get("template", "two_processes")
     if name == "tiny":
         tiny = TinyModelConfig(**settings["model"]["tiny"])
-        return InterleaveGRPO(model_name_or_path="tiny", template=template, tiny=tiny)
+        return InterleaveGRPO(base=Base(name_or_path="tiny"), template=template, tiny=tiny)
     from tests.families import build_family
 
-    return InterleaveGRPO(model_name_or_path=str(build_family(name, folder / name)), template=template)
+    return InterleaveGRPO(base=Base(name_or_path=str(build_family(name, folder / name))), template=template)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -331,7 +331,7 @@ class Curriculum:
     def _stop(self, counts: StepCounts, what: str, why: str) -> Decision:
         n = self.stage_words
         learned = [h["from_words"] for h in self.state.history if h["kind"] == "advance"]
-        start = f"--model.init_from {self.exports}/{learned[-1]}words" if learned and self.exports else "it"
+        start = f"--model.base.init_from {self.exports}/{learned[-1]}words" if learned and self.exports else "it"
         message = (
             f"curriculum: stopping, {what}, and {why}. Continue from the last learned stage ({start}) with a "
             "smaller step between stage lengths, a supervised warm-start at this length, or a higher temperature."

@@ -11,10 +11,13 @@ Two kinds of old name:
   `settings.py` held every group (`interleave_model.model.policy.LoraSettings`, `SETTINGS_MOVED`); those modules
   still import them, and `old_paths` gives every old path to `torch.serialization`, so `torch.load(weights_only=True)`
   accepts each.
+- **Moved config keys.** `model.model_name_or_path`, `model.dtype`, `model.init_from`, ... are `model.base.*` now
+  (`MOVED_KEYS`). A command line or config file that still names one is refused in one line that names the new key
+  (`check_moved_keys`, run by `cli.py` before parsing).
 - **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
-  (`temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its group; `checkpoint_groups` reads
-  a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook
-  calls `grouped_hparams`.
+  (`model_name_or_path`, `dtype`, `temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its
+  group; `checkpoint_groups` reads a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the
+  CLI's `checkpoint_hparams` hook calls `grouped_hparams`.
 
 `import interleave_model` runs this module and must stay light (no torch), so what needs the settings or torch
 imports them when first used. New code and docs use the new names.
@@ -94,16 +97,20 @@ sys.meta_path.append(_OldNames())
 def _flat_names() -> dict[str, tuple[str, str]]:
     from interleave_model.settings import GROUPS
 
-    return {
-        field.name: (group, field.name)
-        for group in ("sampling", "loss", "optimization")
-        for field in fields(GROUPS[group])
-    } | {
-        "eval_num_samples": ("evaluation", "num_samples"),
-        "eval_temperature": ("evaluation", "temperature"),
-        "pass_k": ("evaluation", "pass_k"),
-        "pass_threshold": ("evaluation", "pass_threshold"),
-    }
+    return (
+        {
+            field.name: (group, field.name)
+            for group in ("sampling", "loss", "optimization")
+            for field in fields(GROUPS[group])
+        }
+        | {old: tuple(new.split(".")) for old, new in MOVED_KEYS.items()}
+        | {
+            "eval_num_samples": ("evaluation", "num_samples"),
+            "eval_temperature": ("evaluation", "temperature"),
+            "pass_k": ("evaluation", "pass_k"),
+            "pass_threshold": ("evaluation", "pass_threshold"),
+        }
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -145,3 +152,41 @@ def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
 
     hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
     return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
+
+
+# keys of `model` in configs and command lines that moved into the `base` group: old -> new
+_BASE_FIELDS = ("dtype", "attn_implementation", "trust_remote_code", "gradient_checkpointing", "disable_dropout")
+MOVED_KEYS = {"model_name_or_path": "base.name_or_path"} | {k: f"base.{k}" for k in (*_BASE_FIELDS, "init_from")}
+
+
+class MovedKeyError(ValueError):
+    """A config or command line names a key that moved; the message names the new one."""
+
+
+def check_moved_keys(args: Iterable[str]) -> None:
+    """Refuse a command line, or a `--config` file it names, that sets a moved key of `model` (`MOVED_KEYS`).
+
+    Raises:
+        MovedKeyError: Naming the flag or the file, the old key and the new one.
+    """
+    import yaml
+
+    args = list(args)
+    for i, arg in enumerate(args):
+        key = arg.removeprefix("--model.").partition("=")[0]
+        if arg.startswith("--model.") and key in MOVED_KEYS:
+            raise MovedKeyError(f"--model.{key} is now --model.{MOVED_KEYS[key]}")
+        given = arg == "--config" and i + 1 < len(args)
+        path = arg.partition("=")[2] if arg.startswith("--config=") else args[i + 1] if given else None
+        if path is None:
+            continue
+        try:
+            with open(path) as f:
+                config = yaml.safe_load(f)
+        except (OSError, yaml.YAMLError):
+            continue  # the CLI's parser reports a file it cannot read
+        model = config.get("model") if isinstance(config, dict) else None
+        model = model.get("init_args", model) if isinstance(model, dict) else None
+        for key in model or ():
+            if key in MOVED_KEYS:
+                raise MovedKeyError(f"{path}: model.{key} is now model.{MOVED_KEYS[key]}")

@@ -36,7 +36,6 @@ from interleave_model.generation.sampler import Sampler
 from interleave_model.legacy import checkpoint_groups, old_paths
 from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.model.policy import (
-    TINY,
     as_reference,
     base_from_disk,
     build_policy,
@@ -50,6 +49,7 @@ from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
 from interleave_model.settings import (
     GROUPS,
+    Base,
     DynamicSampling,
     Evaluation,
     LoraSettings,
@@ -77,19 +77,13 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     """Policy, frozen reference and GRPO loss for word interleaving.
 
     Args:
-        model_name_or_path: A local HF model folder, a shipped model's name ("smollm2-135m-instruct": fetched and
-            built into a cached folder on first use, `shipped.py`), a hub name (when online), or "tiny" for the
-            embedded tiny Llama.
-        tiny: Shape of the embedded tiny model (used only when model_name_or_path is "tiny").
+        base: The model trained and how it is loaded: name_or_path (a local HF folder, a shipped model's name, a
+            hub name, or "tiny"), dtype, attn_implementation, trust_remote_code, gradient_checkpointing,
+            disable_dropout, init_from (`settings.Base`).
+        tiny: Shape of the embedded tiny model (used only when `base.name_or_path` is "tiny").
         corpus: Corpus sources whose words form the tiny tokenizer's vocabulary (linked from `data.corpus`).
         template: Prompt template whose words join the tiny vocabulary (linked from `data.template`).
-        dtype: Weights dtype when loading ("bfloat16", "float32", "auto"); mixed precision is the trainer's.
-        attn_implementation: Passed to `from_pretrained` ("sdpa", "eager", "flash_attention_2").
-        trust_remote_code: Allow model code from the model folder. Off unless you trust it.
         lora: LoRA settings; None trains all weights.
-        gradient_checkpointing: Recompute activations in the backward pass (less memory, ~30% more time).
-        disable_dropout: Set every dropout of the policy (adapter included) to 0, as TRL does by default: the ratio
-            then compares equal forwards, and is exactly 1 at a rollout's first update.
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
         sampling: How the training rollout samples: num_generations (G), temperature, top_p, top_k, max_new_tokens,
             budget_margin (`settings.Sampling`).
@@ -99,8 +93,6 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, sft_steps (linked
             from `data.sft_steps`), max_grad_norm, micro_batch_size (`settings.Optimization`).
         dynamic_sampling: Drop zero-variance groups and refill from extra prompts (DAPO); None (default) = off.
-        init_from: Start from the weights of an earlier run: its `.ckpt`, or a stage folder it exported
-            (`<run>/stages/<N>words`, a full model or a LoRA adapter). Optimizer and curriculum start afresh.
         evaluation: How validation, test and predict answer: num_samples, temperature, pass_k, pass_threshold
             (`settings.Evaluation`); `validate --ckpt_path` keeps the command's values, not the checkpoint's.
         rollout_engine: "own" (the project's sampler, `rollout.py`) or "vllm" (colocated vLLM, `vllm_engine.py`),
@@ -110,35 +102,30 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
 
     def __init__(
         self,
-        model_name_or_path: str | None = TINY,
+        base: Base = Base(),
         tiny: TinyModelConfig | None = None,
         corpus: list[str] | None = None,
         template: TemplateName = "two_processes",
-        dtype: str | None = None,
-        attn_implementation: str | None = None,
-        trust_remote_code: bool = False,
         lora: LoraSettings | None = None,
-        gradient_checkpointing: bool = False,
-        disable_dropout: bool = True,
         seed: int = 0,
         sampling: Sampling = Sampling(),
         loss: Loss = Loss(),
         rewards: list[RewardFunction] | None = None,
         optimization: Optimization = Optimization(),
         dynamic_sampling: DynamicSampling | None = None,
-        init_from: str | None = None,
         evaluation: Evaluation = Evaluation(),
         rollout_engine: Literal["own", "vllm"] = "own",
         vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()
         # fresh copies (the defaults are shared); a checkpoint's are dicts
-        sampling, loss = as_group(Sampling, sampling), as_group(Loss, loss)
+        base, sampling, loss = as_group(Base, base), as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
         check_groups(sampling, loss)
         self.save_hyperparameters(ignore=["rewards"])
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
-        self.sampling, self.loss, self.optimization, self.evaluation = sampling, loss, optimization, evaluation
+        self.base, self.sampling, self.loss = base, sampling, loss
+        self.optimization, self.evaluation = optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
         # the rollout temperature now: the configured one until a curriculum's raise_temperature response changes it
         # (`run/callbacks.py`); checkpointed here, so a resumed run samples as the interrupted one did
@@ -150,13 +137,14 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
         # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
         # checkpoint names the model, not this machine's cache
-        self.model_path = resolve_model(model_name_or_path)
+        self.model_path = resolve_model(base.name_or_path)
         self.policy, self.tokenizer, self.stop_ids = build_policy(
-            self.model_path, tiny, corpus, template, seed, dtype, attn_implementation, trust_remote_code, lora
-        )
-        if init_from is not None:
-            load_initial_weights(self.policy, init_from)
-        prepare_for_training(self.policy, disable_dropout, gradient_checkpointing)
+            self.model_path, tiny, corpus, template, seed, base.dtype, base.attn_implementation,
+            base.trust_remote_code, lora,
+        )  # fmt: skip
+        if base.init_from is not None:
+            load_initial_weights(self.policy, base.init_from)
+        prepare_for_training(self.policy, base.disable_dropout, base.gradient_checkpointing)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
@@ -171,7 +159,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         )
         # LoRA on a base from disk: checkpoints leave the frozen base out, so loading them is not strict (the keys
         # are checked in on_load_checkpoint instead)
-        self.strict_loading = not base_from_disk(self.policy, model_name_or_path)
+        self.strict_loading = not base_from_disk(self.policy, base.name_or_path)
 
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs) -> InterleaveGRPO:
@@ -241,7 +229,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         forget_step_values(self.trainer)  # a step logs what it measured, not what an earlier step did
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        rng, path = self._generator(), self.hparams.model_name_or_path
+        rng, path = self._generator(), self.base.name_or_path
         save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
         checkpoint["temperature"] = self.temperature
 

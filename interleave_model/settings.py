@@ -5,6 +5,7 @@ here, and this module imports nothing of the project.
 
 ```yaml
 model:
+  base:              {name_or_path: tiny, dtype: null, gradient_checkpointing: false, init_from: null, ...}
   sampling:          {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
   loss:              {beta: 0.04, kl_estimator: k3, epsilon: 0.2, loss_type: grpo, scale_rewards: group, ...}
   optimization:      {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
@@ -15,6 +16,7 @@ model:
   vllm:              {gpu_memory_utilization: 0.3, max_model_len: null, enforce_eager: false, ...}     # null: off
 ```
 
+- `Base` (`model.base`): the model trained and how it is loaded; the module hands it to `model/policy.py`.
 - `Sampling` (`model.sampling`): how the training rollout samples; read by `generation/sampler.py` and the module.
 - `Loss` (`model.loss`): the GRPO objective; the module hands it to `algorithm/grpo.py`'s functions.
 - `Optimization` (`model.optimization`): the optimizer and `algorithm/schedule.py`'s learning rate.
@@ -25,10 +27,10 @@ model:
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
 The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `LrSchedule`),
-so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the first four flat
-(`temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them into their groups. The classes also
-stay importable from the modules that held them before (`model.policy.LoraSettings`), by which older checkpoints
-name them (`legacy.old_paths`).
+so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the first five flat
+(`model_name_or_path`, `temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them into their
+groups. The classes also stay importable from the modules that held them before (`model.policy.LoraSettings`), by
+which older checkpoints name them (`legacy.old_paths`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,37 @@ LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 LrSchedule = Literal["cosine", "constant"]
+
+
+TINY = "tiny"
+"""`model.base.name_or_path` of the embedded tiny Llama, built in memory (`model/policy.py`)."""
+
+
+@dataclass
+class Base:
+    """The model trained, and how it is loaded and prepared (`model.base`).
+
+    Args:
+        name_or_path: A local HF model folder, a shipped model's name ("smollm2-135m-instruct": fetched and built
+            into a cached folder on first use, `model/shipped.py`), a hub name (when online), or "tiny" for the
+            embedded tiny Llama (`model.tiny`). None: the config names no model and the command asks for one.
+        dtype: Weights dtype when loading ("bfloat16", "float32", "auto"); mixed precision is the trainer's.
+        attn_implementation: Passed to `from_pretrained` ("sdpa", "eager", "flash_attention_2").
+        trust_remote_code: Allow model code from the model folder. Off unless you trust it.
+        gradient_checkpointing: Recompute activations in the backward pass (less memory, ~30% more time).
+        disable_dropout: Set every dropout of the policy (adapter included) to 0, as TRL does by default: the ratio
+            then compares equal forwards, and is exactly 1 at a rollout's first update.
+        init_from: Start from the weights of an earlier run: its `.ckpt`, or a stage folder it exported
+            (`<run>/stages/<N>words`, a full model or a LoRA adapter). Optimizer and curriculum start afresh.
+    """
+
+    name_or_path: str | None = TINY
+    dtype: str | None = None
+    attn_implementation: str | None = None
+    trust_remote_code: bool = False
+    gradient_checkpointing: bool = False
+    disable_dropout: bool = True
+    init_from: str | None = None
 
 
 @dataclass
@@ -304,7 +337,13 @@ class VllmSettings:
 
 
 # the groups that always hold a value: the module keeps them in its hparams as plain dicts (the others as given)
-GROUPS: dict[str, type] = {"sampling": Sampling, "loss": Loss, "optimization": Optimization, "evaluation": Evaluation}
+GROUPS: dict[str, type] = {
+    "base": Base,
+    "sampling": Sampling,
+    "loss": Loss,
+    "optimization": Optimization,
+    "evaluation": Evaluation,
+}
 
 
 def check_groups(sampling: Sampling, loss: Loss) -> None:

@@ -87,19 +87,19 @@ def test_a_mistyped_choice_in_a_config_file_is_refused_too(tmp_path, capsys):
 
 def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     missing = tmp_path / "no_such_run" / "last.ckpt"
-    args = ["fit", "--config", str(TINY_CONFIG), f"--model.init_from={missing}", "--trainer.logger=false"]
+    args = ["fit", "--config", str(TINY_CONFIG), f"--model.base.init_from={missing}", "--trainer.logger=false"]
 
     assert run(args) == 2
 
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: model.init_from: {missing} does not exist"]
+    assert err == [f"error: model.base.init_from: {missing} does not exist"]
 
 
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
 def test_a_gpu_config_without_a_gpu_is_refused_before_anything_is_built(subcommand, tmp_path, capsys, monkeypatch):
     """configs/llama-3.2-3b.yaml asks for a GPU: without one, one line says what to change; no model is loaded."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = [subcommand, "--config", str(GPU_CONFIG), f"--model.model_name_or_path={tmp_path / 'no_model_here'}",
+    args = [subcommand, "--config", str(GPU_CONFIG), f"--model.base.name_or_path={tmp_path / 'no_model_here'}",
             f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
 
     assert run(args) == 2
@@ -159,7 +159,7 @@ def test_the_installed_console_command_is_the_cli():
     done = subprocess.run([script, "fit", "--config", str(TINY_CONFIG), "--print_config"], capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "model_name_or_path: tiny" in done.stdout
+    assert "name_or_path: tiny" in done.stdout  # model.base.name_or_path
     refused = subprocess.run([script, "validate", "--config", str(TINY_CONFIG), "--ckpt_path=last",
                               "--trainer.default_root_dir=/nonexistent-run-root"], capture_output=True, text=True,
                              timeout=300)  # fmt: skip

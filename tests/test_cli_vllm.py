@@ -32,7 +32,7 @@ ENGINE = ["--model.rollout_engine=vllm", "--model.vllm.kv_cache_memory_bytes=335
 
 def _args(command: str, root: Path, folder: Path, *extra: str) -> list[str]:
     return [command, "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={root}",
-            f"--data.cache_dir={root / 'cache'}", f"--model.model_name_or_path={folder}", "--model.dtype=float32",
+            f"--data.cache_dir={root / 'cache'}", f"--model.base.name_or_path={folder}", "--model.base.dtype=float32",
             *extra]  # fmt: skip
 
 
@@ -102,7 +102,7 @@ def test_resume_on_the_engine(fitted, folder, tmp_path):
 
 def _check_args(folder: Path, cache: Path, config: str = "llama-3.2-3b.yaml") -> list[str]:
     """`check` of a 3B config (vLLM, with options a CPU turns off) on `folder`, kept small."""
-    return ["check", "--config", str(ROOT / "configs" / config), f"--model.model_name_or_path={folder}",
+    return ["check", "--config", str(ROOT / "configs" / config), f"--model.base.name_or_path={folder}",
             "--model.vllm.kv_cache_memory_bytes=33554432", "--data.eval_stages=[10]", "--data.train_pairs=4",
             "--data.val_pairs=2", f"--data.cache_dir={cache}"]  # fmt: skip
 
@@ -207,8 +207,8 @@ def test_two_ranks_fit_on_their_own_engines_and_exit_clean(family_folders, tmp_p
     each engine shuts down before the process group does, so no rank prints a traceback at exit."""
     command = [
         sys.executable, "cli.py", "fit", "--config", str(ROOT / "configs" / "llama-3.2-3b.yaml"),
-        f"--model.model_name_or_path={family_folders['llama3']}", "--trainer.accelerator=cpu", "--trainer.devices=2",
-        "--trainer.strategy=ddp", "--trainer.precision=32-true", "--model.dtype=float32", "--trainer.max_steps=2",
+        f"--model.base.name_or_path={family_folders['llama3']}", "--trainer.accelerator=cpu", "--trainer.devices=2",
+        "--trainer.strategy=ddp", "--trainer.precision=32-true", "--model.base.dtype=float32", "--trainer.max_steps=2",
         "--trainer.val_check_interval=2", f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path}",
         "--data.train_pairs=8", "--data.val_pairs=2", "--data.eval_stages=[10]", "--data.batch_size=1",
         "--model.sampling.num_generations=2", "--trainer.logger=false", "--trainer.callbacks=null", *ENGINE,

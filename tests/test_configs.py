@@ -136,7 +136,7 @@ GPU_CONFIGS = [c for c in CONFIGS if c.name.startswith("llama-3.2-3b")]
 @pytest.mark.parametrize("config", GPU_CONFIGS, ids=lambda p: p.name)
 @pytest.mark.parametrize("subcommand", ["fit", "validate", "check"])
 def test_the_3b_configs_ask_for_the_model_in_one_line(config, subcommand, tmp_path, capsys):
-    """They ship no model path: a command without `--model.model_name_or_path` names the flag (exit 2), on any
+    """They ship no model path: a command without `--model.base.name_or_path` names the flag (exit 2), on any
     machine, before anything else is said or built."""
     from cli import run
     from interleave_model.runtime.machine import NO_MODEL

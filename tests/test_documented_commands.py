@@ -68,7 +68,7 @@ def documented() -> list[tuple[str, str | None]]:
     for line in found:
         refusal = REFUSAL.search(line)
         command = re.sub(r"\s+#.*|\s+", " ", line).strip()
-        command = re.sub(r"/models/\S+|(?<=--model.model_name_or_path )\.\.\.", MODEL, command)
+        command = re.sub(r"/models/\S+|(?<=--model.base.name_or_path )\.\.\.", MODEL, command)
         commands.append((command, refusal and refusal.group(1)))
     return commands
 
@@ -176,7 +176,7 @@ def test_a_command_shown_twice_is_documented_alike():
 def test_a_start_from_a_stage_export_skips_the_warm_start():
     """A fit from `<run>/stages/<N>words` starts from trained weights: without `--data.sft_steps 0` it would
     warm-start again from the first stage, which is not what such a command is shown for."""
-    starts = [c for c in documented_commands() if re.search(r"--model\.init_from \S*/stages/", c)]
+    starts = [c for c in documented_commands() if re.search(r"--model\.base\.init_from \S*/stages/", c)]
     assert starts and all("--data.sft_steps 0" in c for c in starts), starts
 
 

@@ -48,7 +48,7 @@ def fitted(request, family_folders, cache_dir, tmp_path_factory):
 
 
 def _args(folder: Path, cache_dir: Path, *extra: str) -> list[str]:
-    return ["--config", str(FAMILY_CONFIG), f"--model.model_name_or_path={folder}", f"--data.cache_dir={cache_dir}",
+    return ["--config", str(FAMILY_CONFIG), f"--model.base.name_or_path={folder}", f"--data.cache_dir={cache_dir}",
             *extra]  # fmt: skip
 
 
@@ -121,7 +121,8 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logprobs(fitted, t
 def test_init_from_the_stage_folder(fitted, tmp_path):
     stage = fitted["root"] / "lightning_logs" / "version_0" / "stages" / "3words"
     assert (stage / "export.json").exists()
-    cli = main(["validate", *fitted["args"], f"--trainer.default_root_dir={tmp_path}", f"--model.init_from={stage}"])
+    root = f"--trainer.default_root_dir={tmp_path}"
+    cli = main(["validate", *fitted["args"], root, f"--model.base.init_from={stage}"])
     _assert_same_weights(_policy_state(cli), _policy_state(fitted["cli"]))  # written at the end of fit
 
 

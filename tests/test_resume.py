@@ -85,7 +85,7 @@ def _assert_same(a, b, where="checkpoint"):
 
 
 # LoRA with dropout (kept on here) draws its masks from the global torch RNG, which the checkpoint must carry as well
-LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5", "--model.disable_dropout=false"]
+LORA_DROPOUT = ["--model.lora.r=4", "--model.lora.dropout=0.5", "--model.base.disable_dropout=false"]
 
 
 @pytest.mark.slow

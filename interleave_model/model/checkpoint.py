@@ -136,7 +136,7 @@ def _trainable_keys(model: torch.nn.Module, prefix: str) -> set[str]:
 
 
 def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
-    """Load the weights of an earlier run into `policy` in place (the `--model.init_from` of a new run).
+    """Load the weights of an earlier run into `policy` in place (the `--model.base.init_from` of a new run).
 
     Args:
         policy: The freshly built policy, LoRA-wrapped or not.
@@ -148,24 +148,28 @@ def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
     """
     path = Path(path)
     if not path.exists():
-        raise PolicyError(f"model.init_from: {path} does not exist")
+        raise PolicyError(f"model.base.init_from: {path} does not exist")
     if path.is_file():
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        load_checkpoint_weights(policy, checkpoint, f"model.init_from: {path}", prefix="policy.")
+        load_checkpoint_weights(policy, checkpoint, f"model.base.init_from: {path}", prefix="policy.")
     elif (path / "adapter_config.json").exists():
         if not is_peft(policy):
-            raise PolicyError(f"model.init_from: {path} holds a LoRA adapter; set model.lora to continue training it")
+            raise PolicyError(
+                f"model.base.init_from: {path} holds a LoRA adapter; set model.lora to continue training it"
+            )
         from peft import load_peft_weights, set_peft_model_state_dict
 
         result = set_peft_model_state_dict(policy, load_peft_weights(str(path)))
         if result.unexpected_keys:
-            raise PolicyError(f"model.init_from: {path} does not fit the adapter: {result.unexpected_keys[:3]} ...")
+            raise PolicyError(
+                f"model.base.init_from: {path} does not fit the adapter: {result.unexpected_keys[:3]} ..."
+            )
     elif (path / "config.json").exists():
         base = policy.get_base_model() if is_peft(policy) else policy
         loaded = type(base).from_pretrained(path, dtype=next(base.parameters()).dtype)
-        _load(base, loaded.state_dict(), f"model.init_from: {path}")
+        _load(base, loaded.state_dict(), f"model.base.init_from: {path}")
     else:
-        raise PolicyError(f"model.init_from: {path} is neither a .ckpt file nor a saved model or adapter folder")
+        raise PolicyError(f"model.base.init_from: {path} is neither a .ckpt file nor a saved model or adapter folder")
 
 
 def load_checkpoint_weights(model: torch.nn.Module, checkpoint: dict, source: str, prefix: str = "") -> None:

@@ -38,7 +38,7 @@ def load_weights(module: torch.nn.Module, ckpt_path: str | os.PathLike) -> dict:
     """Load a Lightning checkpoint's weights into `module`; returns the checkpoint.
 
     Every key must fit; only a LoRA checkpoint may lack the frozen base, which the module loaded from disk
-    (`checkpoint.load_checkpoint_weights`, as for `--model.init_from`).
+    (`checkpoint.load_checkpoint_weights`, as for `--model.base.init_from`).
 
     The checkpoint is unpickled (it holds the hyperparameters' dataclasses): load only checkpoints you trust.
 
@@ -92,7 +92,7 @@ def _write(module, out: Path, final: Path, merge_lora: bool, source: dict | None
     else:
         policy.save_pretrained(out)
     module.tokenizer.save_pretrained(out)
-    info = {"model_name_or_path": module.hparams.model_name_or_path, "lora": is_peft(policy) and not merge_lora}
+    info = {"model_name_or_path": module.base.name_or_path, "lora": is_peft(policy) and not merge_lora}
     (out / "export.json").write_text(json.dumps(info | (source or {}), indent=2, default=str) + "\n")
 
 

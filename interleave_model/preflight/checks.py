@@ -41,7 +41,7 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
         stage: The command's stage ("fit", "validate", "test", "predict"): only the lengths it reads are checked, so
             `validate --data.eval_stages '[10]'` is not refused for a 500-word training stage it never reads.
     """
-    check_chat_template(module.tokenizer, datamodule.template, module.hparams.model_name_or_path)
+    check_chat_template(module.tokenizer, datamodule.template, module.base.name_or_path)
     served = lengths(datamodule, stage)
     fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule, served).items()]
     for fit in fits:
@@ -108,7 +108,7 @@ def check_round_trip(tokenizer, targets: list[str]) -> None:
 def report(module, datamodule) -> list[str]:
     """What `python cli.py check` prints: what was read from the model folder, each check, one greedy answer."""
     tok = module.tokenizer
-    name = module.hparams.model_name_or_path
+    name = module.base.name_or_path
     stops = ", ".join(f"{i} {tok.convert_ids_to_tokens(i)!r}" for i in module.stop_ids)
     fallback = " (the EOS: the tokenizer sets no pad)" if tok.pad_token_id == tok.eos_token_id else ""
     lines = [

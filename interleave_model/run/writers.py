@@ -144,7 +144,7 @@ def _model_info(trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, A
     hp = dict(pl_module.hparams)
     checkpoint = trainer.ckpt_path
     return {
-        "model_name_or_path": hp.get("model_name_or_path"),
+        "model_name_or_path": pl_module.base.name_or_path,
         "lora": hp.get("lora"),
         "checkpoint": os.path.abspath(checkpoint) if checkpoint and os.path.exists(checkpoint) else checkpoint,
         "hparams": hp,

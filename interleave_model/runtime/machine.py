@@ -26,7 +26,7 @@ GPU_ACCELERATORS = ("gpu", "cuda")
 
 
 NO_MODEL = (
-    "model.model_name_or_path is not set: pass --model.model_name_or_path with your model's folder "
+    "model.base.name_or_path is not set: pass --model.base.name_or_path with your model's folder "
     "(e.g. /models/Llama-3.2-3B-Instruct) or a hub name"
 )
 
@@ -44,12 +44,12 @@ def warn(line: str) -> None:
 def settle(config, subcommand: str) -> None:
     """Fit a command's parsed config (`trainer`, `model`) to this machine, in place.
 
-    Refused: no model named (`model.model_name_or_path: null`, as the 3B configs ship); a GPU accelerator without a
+    Refused: no model named (`model.base.name_or_path: null`, as the 3B configs ship); a GPU accelerator without a
     GPU; `model.rollout_engine: vllm` under FSDP (the engine takes whole weights), or without vLLM installed, except in
     `check`, which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions.
     """
     trainer, model = config.trainer, config.model
-    if model.model_name_or_path is None:  # a config that names no model (the 3B ones) makes the user name theirs
+    if model.base.name_or_path is None:  # a config that names no model (the 3B ones) makes the user name theirs
         raise MachineError(NO_MODEL)
     accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
     cuda = torch.cuda.is_available()

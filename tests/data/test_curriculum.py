@@ -131,7 +131,7 @@ def test_stop_response_names_the_last_learned_stage_when_exports_exist():
     (stop,) = _feed(curriculum, [0.0], stuck=1.0)
 
     assert stop.kind == "stop" and "on_collapse is 'stop'" in stop.message
-    assert "--model.init_from run/stages/4words" in curriculum.state.stopped
+    assert "--model.base.init_from run/stages/4words" in curriculum.state.stopped
 
 
 def test_state_round_trip_mid_stage_gives_the_same_later_decisions():

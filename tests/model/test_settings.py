@@ -8,7 +8,7 @@ import lightning as L
 import pytest
 import torch
 
-from interleave_model.legacy import FLAT_NAMES, grouped_hparams
+from interleave_model.legacy import FLAT_NAMES, MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.module import InterleaveGRPO
 from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling
 from tests.conftest import flat_settings
@@ -20,7 +20,8 @@ FLAT_BEFORE = [
     "epsilon", "epsilon_high", "num_iterations", "loss_type", "max_completion_length", "scale_rewards",
     "advantage_estimator", "learning_rate", "sft_learning_rate", "weight_decay", "warmup_steps", "lr_schedule",
     "sft_steps", "max_grad_norm", "micro_batch_size", "eval_num_samples", "eval_temperature", "pass_k",
-    "pass_threshold",
+    "pass_threshold", "model_name_or_path", "dtype", "attn_implementation", "trust_remote_code",
+    "gradient_checkpointing", "disable_dropout", "init_from",
 ]  # fmt: skip
 
 
@@ -84,8 +85,30 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
     torch.save(checkpoint, tmp_path / "flat.ckpt")
 
     loaded = InterleaveGRPO.load_from_checkpoint(tmp_path / "flat.ckpt")
-    assert (loaded.sampling, loaded.loss) == (module.sampling, module.loss)
+    assert (loaded.base, loaded.sampling, loaded.loss) == (module.base, module.sampling, module.loss)
     assert (loaded.optimization, loaded.evaluation) == (module.optimization, module.evaluation)
     assert loaded.sampling.top_k == 5 and loaded.evaluation.temperature == 0.2
     weights = module.state_dict()
     assert all(torch.equal(value, weights[key]) for key, value in loaded.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--model.model_name_or_path", "x"], "--model.model_name_or_path is now --model.base.name_or_path"),
+        (["fit", "--model.init_from=a.ckpt"], "--model.init_from is now --model.base.init_from"),
+        (["fit", "--config", "{old}"], "{old}: model.dtype is now model.base.dtype"),
+        (["fit", "--config={nested}"], "{nested}: model.init_from is now model.base.init_from"),
+    ],
+)
+def test_a_moved_key_is_refused_in_one_line_that_names_the_new_one(tmp_path, args, message):
+    paths = {"old": tmp_path / "old.yaml", "nested": tmp_path / "nested.yaml"}
+    paths["old"].write_text("model:\n  dtype: float32\n")
+    paths["nested"].write_text("model:\n  init_args:\n    init_from: a.ckpt\n")
+    with pytest.raises(MovedKeyError) as raised:
+        check_moved_keys([a.format(**paths) for a in args])
+    assert str(raised.value) == message.format(**paths)
+
+
+def test_todays_keys_and_configs_pass(tmp_path):
+    check_moved_keys(["fit", "--config", "configs/smollm2.yaml", "--model.base.dtype", "float32", "--config"])

@@ -158,6 +158,6 @@ def test_a_checkpoint_that_does_not_fit_is_refused_alike_by_export_and_init_from
     with pytest.raises(PolicyError, match=r"(?s)a\.ckpt: weights do not fit this model: .*Missing key"):
         load_weights(make_module(), tmp_path / "a.ckpt")
     with pytest.raises(
-        PolicyError, match=r"(?s)model.init_from: .*a\.ckpt: weights do not fit this model: .*Missing key"
+        PolicyError, match=r"(?s)model.base.init_from: .*a\.ckpt: weights do not fit this model: .*Missing key"
     ):
         make_module(init_from=str(tmp_path / "a.ckpt"))

@@ -38,7 +38,7 @@ def test_the_checkpoint_holds_the_adapter_and_not_the_base(lora_run):
     policy_keys = [k for k in checkpoint["state_dict"] if k.startswith("policy.")]
     trainable = {"policy." + n for n, p in module.policy.named_parameters() if p.requires_grad}
     assert set(policy_keys) == trainable and all("lora_" in k for k in policy_keys)
-    assert checkpoint[BASE_OMITTED] == module.hparams.model_name_or_path
+    assert checkpoint[BASE_OMITTED] == module.base.name_or_path
     kept = sum(checkpoint["state_dict"][k].numel() for k in policy_keys)
     assert kept < 0.05 * sum(v.numel() for v in module.state_dict().values())
 
@@ -50,7 +50,7 @@ def test_it_loads_back_into_the_same_weights_by_every_route(lora_run, tmp_path):
 
     exported = make()
     load_weights(exported, path)  # cli.py export / validate route
-    initialised = make(init_from=str(path))  # --model.init_from route
+    initialised = make(init_from=str(path))  # --model.base.init_from route
     for other in (exported, initialised):
         for key, value in other.state_dict().items():
             torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
@@ -71,5 +71,5 @@ def test_a_checkpoint_missing_adapter_weights_is_refused(lora_run, tmp_path):
 
     with pytest.raises(PolicyError, match="missing"):
         load_weights(make(), broken)
-    with pytest.raises(PolicyError, match="model.init_from: .*missing"):
+    with pytest.raises(PolicyError, match="model.base.init_from: .*missing"):
         make(init_from=str(broken))

@@ -14,7 +14,7 @@ from interleave_data.pairs import interleave
 from interleave_model.model.policy import PolicyError
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import preflight
-from interleave_model.settings import Sampling
+from interleave_model.settings import Base, Sampling
 from tests.conftest import TINY_CONFIG
 
 
@@ -71,7 +71,7 @@ def test_bad_model_folder_is_one_line_and_exit_2_before_any_training_step(case, 
     folder = _copy(family_folders, family, tmp_path)
     spoil(folder)
     monkeypatch.setattr(InterleaveGRPO, "training_step", _no_step)
-    args = ["fit", "--config", str(TINY_CONFIG), f"--model.model_name_or_path={folder}", "--trainer.logger=false",
+    args = ["fit", "--config", str(TINY_CONFIG), f"--model.base.name_or_path={folder}", "--trainer.logger=false",
             f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
 
     assert run(args) == 2
@@ -85,7 +85,7 @@ def test_bad_model_folder_is_one_line_and_exit_2_before_any_training_step(case, 
 @pytest.fixture
 def llama3_module(family_folders):
     folder = str(family_folders["llama3"])
-    return InterleaveGRPO(model_name_or_path=folder, template="compact", sampling=Sampling(num_generations=2))
+    return InterleaveGRPO(base=Base(name_or_path=folder), template="compact", sampling=Sampling(num_generations=2))
 
 
 def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, make_datamodule):
@@ -152,7 +152,7 @@ def test_round_trip_names_the_first_word_a_normalizer_changes(llama3_module, mak
 
 def test_check_prints_what_was_read_each_stage_and_a_scored_greedy_answer(family_folders, tmp_path, capsys):
     folder = family_folders["llama3"]
-    main(["check", "--config", str(TINY_CONFIG), f"--model.model_name_or_path={folder}", "--trainer.logger=false",
+    main(["check", "--config", str(TINY_CONFIG), f"--model.base.name_or_path={folder}", "--trainer.logger=false",
           f"--data.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
     out = capsys.readouterr().out
     assert "stop ids: 1025 '<|end_of_text|>', 1028 '<|eom_id|>', 1029 '<|eot_id|>'" in out

@@ -20,7 +20,7 @@ GPU_SETTINGS = VllmSettings(max_model_len=4096, enforce_eager=False, enable_slee
 
 def _config(accelerator="cpu", precision=None, rollout_engine="own", strategy="auto", model="tiny") -> Namespace:
     return Namespace(trainer=Namespace(accelerator=accelerator, precision=precision, strategy=strategy),
-                     model=Namespace(rollout_engine=rollout_engine, model_name_or_path=model))  # fmt: skip
+                     model=Namespace(rollout_engine=rollout_engine, base=Namespace(name_or_path=model)))  # fmt: skip
 
 
 def _warnings(capsys) -> list[str]:
@@ -41,7 +41,7 @@ def no_vllm(monkeypatch):
 
 @pytest.mark.parametrize("accelerator", ["gpu", "cpu"])
 def test_no_model_named_is_refused_first_with_the_flag_to_pass(accelerator, no_gpu):
-    with pytest.raises(MachineError, match="^model.model_name_or_path is not set: pass --model.model_name_or_path"):
+    with pytest.raises(MachineError, match="^model.base.name_or_path is not set: pass --model.base.name_or_path"):
         settle(_config(accelerator, model=None), "fit")  # before the GPU's absence is mentioned
 
 
