@@ -15,6 +15,7 @@ from transformers.utils import logging as hf_logging
 
 from interleave_model.generation.rollout import Rollout, completion_texts
 from interleave_model.model.policy import is_peft
+from interleave_model.runtime.compat import shutdown_vllm
 from interleave_model.runtime.machine import cpu_memory, engine_settings
 from interleave_model.settings import VllmSettings
 
@@ -295,6 +296,6 @@ class VllmEngine:
         after the trainer's last collective and before the interpreter's exit (`close_engines`)."""
         shutil.rmtree(self._workdir, ignore_errors=True)
         if self.llm is not None:
-            self.llm.llm_engine.engine_core.shutdown()
+            shutdown_vllm(self.llm)
             self.llm = None
         ENGINES.discard(self)

@@ -1,4 +1,4 @@
-"""Every use of a private (underscore) API of a library, in one place: Lightning's and torch's.
+"""Every use of a private (underscore) or internal API of a library, in one place: Lightning's, torch's and vLLM's.
 
 Each use says what it needs and the version it was tested with, so an upgrade that breaks one breaks here. The rest
 of the package uses the public hooks these define. (One more lives in `interleave_data/corpus.py`, which cannot
@@ -113,3 +113,9 @@ def cpu_has_bf16() -> bool:
         return True
     # torch.cpu._is_avx512_bf16_supported and _is_amx_tile_supported (torch 2.13): torch's only word on it
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def shutdown_vllm(llm: Any) -> None:
+    """Shut a `vllm.LLM` down now, not when it is garbage-collected: `LLM` has no public way to (vllm 0.32), so this
+    calls its engine core's `shutdown` (`LLM.llm_engine.engine_core`, the v1 engine's client)."""
+    llm.llm_engine.engine_core.shutdown()
