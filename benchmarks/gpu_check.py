@@ -360,13 +360,24 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
     return phase
 
 
+def module_from(model: dict, **changes):
+    """`InterleaveGRPO` as a config's `model` mapping sets it, every key parsed and typed as `cli.py` does (rewards
+    included), with `changes`: a group's dict updates that group's keys, anything else replaces the key."""
+    from jsonargparse import ArgumentParser
+
+    from interleave_model.module import InterleaveGRPO
+
+    merged = dict(model)
+    for key, value in changes.items():
+        merged[key] = merged.get(key, {}) | value if isinstance(value, dict) else value
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(InterleaveGRPO, "model")
+    return parser.instantiate_classes(parser.parse_object({"model": merged})).model
+
+
 def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
     """The module and one-stage data as configs/llama-3.2-3b.yaml sets them (the tiny model on a CPU smoke run)."""
     from interleave_data.datamodule import InterleaveDataModule
-    from interleave_model.generation.vllm_engine import VllmSettings
-    from interleave_model.model.policy import LoraSettings
-    from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, Loss, Optimization, Sampling
 
     settings = config("llama-3.2-3b.yaml")
     model, data = settings["model"], settings["data"]
@@ -374,17 +385,12 @@ def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
     if not (folder / "config.json").is_file():
         raise RuntimeError("the model folder was not written: see the random_model line")
     prompts, generations = (2, 4) if smoke else (data["batch_size"], model["sampling"]["num_generations"])
-    base = model["base"] | {"name_or_path": str(folder), "gradient_checkpointing": checkpointing}
-    module = InterleaveGRPO(
-        base=Base(**base | ({"dtype": "float32"} if smoke else {})),
-        template=data["template"],
-        lora=LoraSettings(**model["lora"]),
-        sampling=Sampling(**model["sampling"] | {"num_generations": generations}),
-        loss=Loss(**model["loss"]),
-        optimization=Optimization(**model["optimization"]),
-        rollout_engine=engine,
-        vllm=VllmSettings(**model["vllm"] | (SMOKE_VLLM if smoke else {})),
-    )
+    base = {"name_or_path": str(folder), "gradient_checkpointing": checkpointing}
+    base |= {"dtype": "float32"} if smoke else {}
+    module = module_from(
+        model, base=base, template=data["template"], sampling={"num_generations": generations},
+        rollout_engine=engine, vllm=SMOKE_VLLM if smoke else {},
+    )  # fmt: skip
     datamodule = InterleaveDataModule(stages=[WORDS], train_pairs=64, val_pairs=0, test_pairs=0,
                                       template=data["template"], batch_size=prompts, cache_dir=str(work / "cache"),
                                       tokenizer=module.tokenizer)  # fmt: skip
@@ -396,10 +402,7 @@ def smollm2_fit(smoke: bool, work: Path) -> dict:
     import lightning as L
 
     from interleave_data.datamodule import InterleaveDataModule
-    from interleave_model.model.policy import LoraSettings
     from interleave_model.model.shipped import cache_root
-    from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, Evaluation, Loss, Optimization, Sampling
 
     if not smoke and not (cache_root() / "models" / SHIPPED_NAME / "config.json").is_file():
         return {"skipped": f"{SHIPPED_NAME} not installed: python -m interleave_model.model.shipped {SHIPPED_NAME}"}
@@ -408,15 +411,8 @@ def smollm2_fit(smoke: bool, work: Path) -> dict:
     steps, prompts, generations, pairs = (1, 2, 4, 4) if smoke else (20, data["batch_size"], None, 64)
     generations = generations or model["sampling"]["num_generations"]
     L.seed_everything(0, verbose=False)
-    module = InterleaveGRPO(
-        base=Base(name_or_path="tiny") if smoke else Base(**model["base"]),
-        template=data["template"],
-        lora=LoraSettings(**model["lora"]),
-        sampling=Sampling(**model["sampling"] | {"num_generations": generations}),
-        loss=Loss(**model["loss"]),
-        optimization=Optimization(**model["optimization"]),
-        evaluation=Evaluation(**model["evaluation"]),
-    )
+    base = {"name_or_path": "tiny", "dtype": None} if smoke else {}
+    module = module_from(model, base=base, template=data["template"], sampling={"num_generations": generations})
     datamodule = InterleaveDataModule(stages=[WORDS], eval_stages=[WORDS], train_pairs=max(64, steps * prompts),
                                       val_pairs=pairs, test_pairs=0, template=data["template"], batch_size=prompts,
                                       eval_batch_size=pairs, sft_steps=0, cache_dir=str(work / "cache"),
