@@ -12,8 +12,8 @@ Two kinds of old name:
   still import them, and `old_paths` gives every old path to `torch.serialization`, so `torch.load(weights_only=True)`
   accepts each.
 - **Moved config keys.** `model.model_name_or_path`, `model.dtype`, `model.init_from`, ... are `model.base.*` now
-  (`MOVED_KEYS`). A command line or config file that still names one is refused in one line that names the new key
-  (`check_moved_keys`, run by `cli.py` before parsing).
+  (the `base` entries of `FLAT_NAMES`). A command line or config file that still names one is refused in one line
+  that names the new key (`check_moved_keys`, run by `cli.py` before parsing).
 - **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
   (`model_name_or_path`, `dtype`, `temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its
   group; `checkpoint_groups` reads a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the
@@ -97,20 +97,18 @@ sys.meta_path.append(_OldNames())
 def _flat_names() -> dict[str, tuple[str, str]]:
     from interleave_model.settings import GROUPS
 
-    return (
-        {
-            field.name: (group, field.name)
-            for group in ("sampling", "loss", "optimization")
-            for field in fields(GROUPS[group])
-        }
-        | {old: tuple(new.split(".")) for old, new in MOVED_KEYS.items()}
-        | {
-            "eval_num_samples": ("evaluation", "num_samples"),
-            "eval_temperature": ("evaluation", "temperature"),
-            "pass_k": ("evaluation", "pass_k"),
-            "pass_threshold": ("evaluation", "pass_threshold"),
-        }
-    )
+    return {
+        field.name: (group, field.name)
+        for group in ("base", "sampling", "loss", "optimization")
+        for field in fields(GROUPS[group])
+        if (group, field.name) != ("base", "name_or_path")
+    } | {
+        "model_name_or_path": ("base", "name_or_path"),
+        "eval_num_samples": ("evaluation", "num_samples"),
+        "eval_temperature": ("evaluation", "temperature"),
+        "pass_k": ("evaluation", "pass_k"),
+        "pass_threshold": ("evaluation", "pass_threshold"),
+    }
 
 
 def __getattr__(name: str) -> Any:
@@ -154,28 +152,25 @@ def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
     return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
 
 
-# keys of `model` in configs and command lines that moved into the `base` group: old -> new
-_BASE_FIELDS = ("dtype", "attn_implementation", "trust_remote_code", "gradient_checkpointing", "disable_dropout")
-MOVED_KEYS = {"model_name_or_path": "base.name_or_path"} | {k: f"base.{k}" for k in (*_BASE_FIELDS, "init_from")}
-
-
 class MovedKeyError(ValueError):
     """A config or command line names a key that moved; the message names the new one."""
 
 
 def check_moved_keys(args: Iterable[str]) -> None:
-    """Refuse a command line, or a `--config` file it names, that sets a moved key of `model` (`MOVED_KEYS`).
+    """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved into `model.base`
+    (the flat names of its fields, `FLAT_NAMES`).
 
     Raises:
         MovedKeyError: Naming the flag or the file, the old key and the new one.
     """
     import yaml
 
+    moved = {old: ".".join(new) for old, new in _flat_names().items() if new[0] == "base"}  # old key -> new key
     args = list(args)
     for i, arg in enumerate(args):
         key = arg.removeprefix("--model.").partition("=")[0]
-        if arg.startswith("--model.") and key in MOVED_KEYS:
-            raise MovedKeyError(f"--model.{key} is now --model.{MOVED_KEYS[key]}")
+        if arg.startswith("--model.") and key in moved:
+            raise MovedKeyError(f"--model.{key} is now --model.{moved[key]}")
         given = arg == "--config" and i + 1 < len(args)
         path = arg.partition("=")[2] if arg.startswith("--config=") else args[i + 1] if given else None
         if path is None:
@@ -188,5 +183,5 @@ def check_moved_keys(args: Iterable[str]) -> None:
         model = config.get("model") if isinstance(config, dict) else None
         model = model.get("init_args", model) if isinstance(model, dict) else None
         for key in model or ():
-            if key in MOVED_KEYS:
-                raise MovedKeyError(f"{path}: model.{key} is now model.{MOVED_KEYS[key]}")
+            if key in moved:
+                raise MovedKeyError(f"{path}: model.{key} is now model.{moved[key]}")
