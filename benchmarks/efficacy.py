@@ -145,7 +145,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
-        micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()], guidance=args.guidance,
+        credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()], guidance=args.guidance,
         guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
@@ -301,6 +301,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
+    parser.add_argument("--credit", default="sequence", choices=["sequence", "word"], help="model.loss.credit")
     parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)

@@ -29,6 +29,7 @@ from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFu
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.supervised import sft_inputs
+from interleave_model.algorithm.word_credit import word_credit
 from interleave_model.evaluation.evaluator import Evaluator
 from interleave_model.evaluation.steps import EvaluationSteps
 from interleave_model.generation.rollout import Rollout
@@ -207,7 +208,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 max_rounds, pad = self.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id
                 trajectory, counts = refill(trajectory, generate, draw, G, max_rounds, pad)
                 stats |= counts
-            if self.loss.scale_rewards == "batch":  # every rank holds its final batch now (refill rounds differ)
+            # every rank holds its final batch now (refill rounds differ)
+            if self.loss.scale_rewards == "batch" and self.loss.credit == "sequence":
                 advantages = batch_scaled_advantages(
                     trajectory.rewards, G, self.loss.advantage_estimator, self._sum_over_ranks
                 )
@@ -255,6 +257,10 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist(), **fields)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
         advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
+        credit = {}
+        if loss.credit == "word":  # each word its own advantage instead: [P*G, C]
+            advantages, unmatched = word_credit(self.tokenizer, roll, targets, self.stop_ids, G)
+            credit["train/word_credit_unmatched"] = unmatched
         scored = time.perf_counter()
 
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
@@ -270,7 +276,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
         trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
-        stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
+        stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled} | credit
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         if gap is not None:
             stats["train/engine_logprob_gap"] = gap
@@ -320,7 +326,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             totals["guidance"], totals["guidance_loss"] = mu, self._guidance_backward(batch, mu)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
-        stats["train/advantage_abs_mean"] = trajectory.advantages.abs().mean().item()  # as the loss weighed tokens
+        advantages = trajectory.advantages.abs()  # [N] or, per word, [N, C]
+        advantages = grpo.masked_mean(advantages, mask) if advantages.dim() == 2 else advantages.mean()
+        stats["train/advantage_abs_mean"] = advantages.item()
         stats["time/update_s"] = time.perf_counter() - started
         return stats
 

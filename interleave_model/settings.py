@@ -26,11 +26,11 @@ model:
 - `DynamicSampling` (`model.dynamic_sampling`): DAPO's refill; the module runs `algorithm/dynamic_sampling.py`.
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
-The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `LrSchedule`),
-so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the first five flat
-(`model_name_or_path`, `temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them into their
-groups. The classes also stay importable from the modules that held them before (`model.policy.LoraSettings`), by
-which older checkpoints name them (`legacy.old_paths`).
+The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `Credit`,
+`LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the
+first five flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them
+into their groups. The classes also stay importable from the modules that held them before
+(`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
+Credit = Literal["sequence", "word"]
 LrSchedule = Literal["cosine", "constant"]
 
 
@@ -126,6 +127,9 @@ class Loss:
             longest completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        credit: "sequence" (GRPO: every token gets its completion's advantage) or "word": each word its own, from
+            the group's completions at the same state (`algorithm/word_credit.py`); then the advantages are the
+            state's value differences, and `scale_rewards` and `advantage_estimator` do not apply.
         guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
             supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
             target token in any gradient.
@@ -142,6 +146,7 @@ class Loss:
     max_completion_length: int | None = None
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
+    credit: Credit = "sequence"
     guidance: float = 0.0
     guidance_final: float = 0.0
     guidance_decay_steps: int = 0

@@ -21,7 +21,7 @@ class Trajectory(NamedTuple):
     old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
     ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
     rewards: Tensor  # [P*G]
-    advantages: Tensor  # [P*G]
+    advantages: Tensor  # [P*G], or [P*G, C] with per-word credit
     rollout: Rollout
 
 
