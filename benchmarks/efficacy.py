@@ -145,8 +145,8 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
-        credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()], guidance=args.guidance,
-        guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
+        credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()],
+        guidance=args.guidance, guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 

@@ -369,7 +369,7 @@ def module_from(model: dict, **changes):
 
     merged = dict(model)
     for key, value in changes.items():
-        merged[key] = merged.get(key, {}) | value if isinstance(value, dict) else value
+        merged[key] = (merged.get(key) or {}) | value if isinstance(value, dict) else value  # a group set to null too
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(InterleaveGRPO, "model")
     return parser.instantiate_classes(parser.parse_object({"model": merged})).model

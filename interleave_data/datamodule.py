@@ -237,8 +237,12 @@ class InterleaveDataModule(LightningDataModule):
     def refill_draw(self, k: int, n_words: int) -> Callable[[int, int], dict]:
         """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for training batch ``k``
         (its ``batch_index`` in the stream) on this rank, so a resumed run draws the same refills."""
-        rank = self.trainer.global_rank if self.trainer is not None else 0
-        return lambda round_, n: self.sample_refill(k, round_, n, n_words, rank)
+        return lambda round_, n: self.sample_refill(k, round_, n, n_words, self.rank)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank among the trainer's (0 without a trainer)."""
+        return self.trainer.global_rank if self.trainer is not None else 0
 
     def collate(self, examples: Sequence[Example], phase: str) -> dict:
         """Formats and tokenizes prompts, left-padded for generation; targets stay strings for the reward.
@@ -317,9 +321,8 @@ class _TrainStream(IterableDataset):
         """``(k, phase, examples)`` from batch ``batches_run`` on: a resumed run continues where it stopped."""
         datamodule = self.datamodule
         k = datamodule.batches_run
-        rank = datamodule.trainer.global_rank if datamodule.trainer is not None else 0
         while True:
-            yield k, *datamodule.sample_train_batch(k, rank)
+            yield k, *datamodule.sample_train_batch(k, datamodule.rank)
             k += 1
 
 

@@ -102,3 +102,6 @@ def test_the_module_is_built_from_every_key_of_the_config():
     assert module.dynamic_sampling.max_rounds == 1 and module.base.disable_dropout
     assert module.sampling.num_generations == 2 and module.sampling.temperature == model["sampling"]["temperature"]
     assert module.hparams.lora.r == model["lora"]["r"] and module.optimization.micro_batch_size == 8
+    nulled = gpu_check.module_from(model | {"sampling": None}, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny,
+                                   sampling={"num_generations": 2})  # fmt: skip
+    assert nulled.sampling.num_generations == 2  # a group set to null in the YAML takes the change too
