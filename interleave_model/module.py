@@ -259,7 +259,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
         credit = {}
         if loss.credit == "word":  # each word its own advantage instead: [P*G, C]
-            advantages, unmatched = word_credit(self.tokenizer, roll, targets, self.stop_ids, G)
+            advantages, unmatched = word_credit(self.tokenizer, roll, targets, self.stop_ids, G, advantages)
             credit["train/word_credit_unmatched"] = unmatched
         scored = time.perf_counter()
 

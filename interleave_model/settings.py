@@ -127,9 +127,9 @@ class Loss:
             longest completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
-        credit: "sequence" (GRPO: every token gets its completion's advantage) or "word": each word its own, from
-            the group's completions at the same state (`algorithm/word_credit.py`); then the advantages are the
-            state's value differences, and `scale_rewards` and `advantage_estimator` do not apply.
+        credit: "sequence" (GRPO: every token gets its completion's advantage) or "word": each word up to the first
+            mistake its own, from the group's completions at the same state, and the completion's advantage after
+            it (`algorithm/word_credit.py`).
         guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
             supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
             target token in any gradient.

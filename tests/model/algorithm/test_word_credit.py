@@ -27,15 +27,16 @@ def test_each_word_is_paid_against_the_group_at_the_same_state():
     # one group of 4; completion r writes word j with tokens word_index == j (one token per word, then its stop)
     first_wrong = torch.tensor([3, 1, 1, 0])
     word_index = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1], [0, 1, -1, -1], [0, 1, 2, 3]])
-    adv = word_advantages(word_index, first_wrong, num_generations=4)
+    sequence = torch.tensor([0.9, -0.1, -0.2, -0.6])
+    adv = word_advantages(word_index, first_wrong, num_generations=4, sequence=sequence)
     # word 0: reached by all 4, right in 3 -> p = 3/4; word 1: reached by 3, right in 1 -> p = 1/3;
     # word 2: reached by 1 (the first), right -> p = 1 -> 0; word 3: the first's mistake, reached by it alone -> 0
     expected = torch.tensor(
         [
             [1 - 3 / 4, 1 - 1 / 3, 0.0, 0.0],
-            [1 - 3 / 4, 0 - 1 / 3, 0.0, 0.0],  # word 2 is past its mistake: no credit
-            [1 - 3 / 4, 0 - 1 / 3, 0.0, 0.0],
-            [0 - 3 / 4, 0.0, 0.0, 0.0],  # wrong at once; nothing after counts
+            [1 - 3 / 4, 0 - 1 / 3, -0.1, 0.0],  # word 2 is past its mistake: the answer's own advantage
+            [1 - 3 / 4, 0 - 1 / 3, 0.0, 0.0],  # (outside the mask: 0)
+            [0 - 3 / 4, -0.6, -0.6, -0.6],  # wrong at once; the rest judged with the answer
         ]
     )
     torch.testing.assert_close(adv, expected)
@@ -43,7 +44,7 @@ def test_each_word_is_paid_against_the_group_at_the_same_state():
 
 def test_groups_do_not_share_baselines():
     word_index = torch.tensor([[0], [0], [0], [0]])
-    adv = word_advantages(word_index, torch.tensor([1, 0, 1, 1]), num_generations=2)
+    adv = word_advantages(word_index, torch.tensor([1, 0, 1, 1]), num_generations=2, sequence=torch.zeros(4))
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
 
 
