@@ -476,6 +476,16 @@ def test_select_and_concat_keep_rows_whole(tmp_path):
     assert concat([picked], 0) is picked
 
 
+def test_per_token_advantages_are_padded_like_the_completions():
+    """Word credit's [N, C] advantages: parts of different widths are joined with zeros after each completion."""
+    short, long = _trajectory([0.0, 1.0], 1, 2), _trajectory([0.5, 0.2], 1, 3, first_id=40)
+    short, long = (t._replace(advantages=t.completion_ids.float()) for t in (short, long))
+    joined = concat([short, long], 0)
+    assert joined.advantages.shape == joined.completion_ids.shape == (4, 3)
+    assert joined.advantages[0].tolist() == [110.0, 111.0, 0.0]
+    assert joined.advantages[2].tolist() == [140.0, 141.0, 142.0]
+
+
 class _EvenTargetsFlat(RewardFunction):
     """Varied rewards for targets of odd character length, all-zero groups for even ones."""
 
