@@ -29,7 +29,7 @@ from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFu
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.supervised import sft_inputs
-from interleave_model.algorithm.word_credit import word_credit
+from interleave_model.algorithm.word_credit import word_decisions
 from interleave_model.evaluation.evaluator import Evaluator
 from interleave_model.evaluation.steps import EvaluationSteps
 from interleave_model.generation.rollout import Rollout
@@ -209,7 +209,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 trajectory, counts = refill(trajectory, generate, draw, G, max_rounds, pad)
                 stats |= counts
             # every rank holds its final batch now (refill rounds differ)
-            if self.loss.scale_rewards == "batch" and self.loss.credit == "sequence":
+            if self.loss.scale_rewards == "batch":
                 advantages = batch_scaled_advantages(
                     trajectory.rewards, G, self.loss.advantage_estimator, self._sum_over_ranks
                 )
@@ -257,9 +257,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist(), **fields)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
         advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
-        credit = {}
-        if loss.credit == "word":  # each word its own advantage instead: [P*G, C]
-            advantages, unmatched = word_credit(self.tokenizer, roll, targets, self.stop_ids, G, advantages)
+        credit, words = {}, (None, None)
+        if loss.credit != "sequence":  # each word its own advantage in the update (`Trajectory.token_advantages`)
+            *words, unmatched = word_decisions(self.tokenizer, roll, targets, self.stop_ids, loss.credit)
             credit["train/word_credit_unmatched"] = unmatched
         scored = time.perf_counter()
 
@@ -274,7 +274,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
                 trainer = self._logprobs(self.policy, *sequences) if old is None else old
                 gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
-        trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
+        trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll, *words)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
         stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled} | credit
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
@@ -296,6 +296,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         if loss.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        advantages = trajectory.token_advantages(G)  # [N], or per word [N, C]
         optimizer = self.optimizers()
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
@@ -305,7 +306,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
             ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
             out = grpo.policy_loss(
-                logprobs, old, trajectory.advantages[rows], mask[rows], epsilon=loss.epsilon,
+                logprobs, old, advantages[rows], mask[rows], epsilon=loss.epsilon,
                 epsilon_high=loss.epsilon_high, ref_logprobs=ref, beta=loss.beta, kl_estimator=loss.kl_estimator,
                 loss_type=loss.loss_type, num_tokens=num_tokens,
                 max_completion_length=loss.max_completion_length or self.sampling.max_new_tokens,
@@ -326,7 +327,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             totals["guidance"], totals["guidance_loss"] = mu, self._guidance_backward(batch, mu)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
-        advantages = trajectory.advantages.abs()  # [N] or, per word, [N, C]
+        advantages = advantages.abs()
         advantages = grpo.masked_mean(advantages, mask) if advantages.dim() == 2 else advantages.mean()
         stats["train/advantage_abs_mean"] = advantages.item()
         stats["time/update_s"] = time.perf_counter() - started

@@ -46,7 +46,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
-Credit = Literal["sequence", "word"]
+Credit = Literal["sequence", "word", "position"]
 LrSchedule = Literal["cosine", "constant"]
 
 
@@ -127,9 +127,10 @@ class Loss:
             longest completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
-        credit: "sequence" (GRPO: every token gets its completion's advantage) or "word": each word up to the first
+        credit: "sequence" (GRPO: every token gets its completion's advantage); "word": each word up to the first
             mistake its own, from the group's completions at the same state, and the completion's advantage after
-            it (`algorithm/word_credit.py`).
+            it; "position": every word judged against the target's word at its position, and the stop against the
+            target's length, with the group's share right there as the baseline (`algorithm/word_credit.py`).
         guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
             supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
             target token in any gradient.

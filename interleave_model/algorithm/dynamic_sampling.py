@@ -100,10 +100,11 @@ def concat(parts: list[Trajectory], pad_token_id: int) -> Trajectory:
             out.append(torch.cat([prompt, F.pad(completion, (0, width - c), value=value)], dim=1))
         return torch.cat(out)
 
-    def right(values: list[Tensor | None], value: float) -> Tensor | None:  # [N, C]
+    def right(values: list[Tensor | None], value: float) -> Tensor | None:  # [N, widest], e.g. [N, C]
         if values[0] is None:
             return None
-        return torch.cat([F.pad(v, (0, width - v.shape[1]), value=value) for v in values])
+        widest = max(v.shape[1] for v in values)
+        return torch.cat([F.pad(v, (0, widest - v.shape[1]), value=value) for v in values])
 
     rollouts = [p.rollout for p in parts]
     rollout = Rollout(
@@ -124,8 +125,8 @@ def concat(parts: list[Trajectory], pad_token_id: int) -> Trajectory:
         old_logprobs=right([p.old_logprobs for p in parts], 0.0),
         ref_logprobs=right([p.ref_logprobs for p in parts], 0.0),
         rewards=torch.cat([p.rewards for p in parts]),
-        advantages=torch.cat([p.advantages for p in parts])  # [N], or [N, C] per token
-        if parts[0].advantages.dim() == 1
-        else right([p.advantages for p in parts], 0.0),
+        advantages=torch.cat([p.advantages for p in parts]),
         rollout=rollout,
+        word_index=right([p.word_index for p in parts], -1),
+        decisions=right([p.decisions for p in parts], -1),
     )

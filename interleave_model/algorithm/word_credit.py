@@ -9,17 +9,24 @@ one property of the task used for the baseline: every answer of a group that is 
 state (the same prompt, the same words), so the share of them that get word j right is a Monte-Carlo value of that
 state, measured by the group itself.
 
-Per completion, ``k`` is its first wrong decision (`first_wrong_decision`): the length of its common word prefix with
-the target, or ``n_target + 1`` for the exact answer (its stop is right too). Word ``j``'s tokens get
+Two ways to say which decisions a completion made (`model.loss.credit`):
 
-    advantage = [k > j] - p_j,    p_j = mean of [k' > j] over the group's completions with k' >= j
+- ``word`` (`prefix_decisions`): the decisions on the target's path. ``k`` is the completion's first wrong decision:
+  the length of its common word prefix with the target (the exact answer's stop is right too). Its words ``j < k`` are
+  right, word ``k`` is wrong, and every answer of the group that reached ``j`` was in the same state. Words after
+  ``k`` are off the path: they get the completion's own sequence advantage (GRPO's, from the reward), so the rest of
+  an answer is still judged as a whole. Given no credit at all there, they drift: on SmolLM2 (seed 1, 33 steps)
+  answers grew to 1.27 times the target's length and the held-out score fell from 0.522 to 0.424.
+- ``position`` (`position_decisions`): every word ``j`` of a completion against the target's word ``j``, and its stop
+  against the target's length. After a wrong word the states differ between answers, so ``p_j`` is a baseline per
+  position rather than per state; it still depends on no answer's own action. Nothing is paid for copying one
+  fragment (its words sit at the wrong positions from the second on), a wrong word costs that word, and an answer
+  that runs past the target is charged for the first word it writes instead of stopping.
 
-for ``j <= k``. A word every completion of the group gets right, or one only this completion reached, gets 0. Words
-after ``k`` are off the target's path: they get the completion's own sequence advantage (GRPO's, from the reward),
-so the rest of an answer is still judged as a whole. Given no credit at all there, they drift: on SmolLM2 (seed 1,
-33 steps) answers grew to 1.27 times the target's length and the held-out score fell from 0.522 to 0.424. Tokens
-belong to the word their first non-space character starts or continues; whitespace, a stop token and other special
-tokens belong to the next word (the stop is the decision after the last word).
+Word ``j``'s tokens get ``right - p_j`` where the completion made decision ``j``, ``p_j`` the share of the group's
+decisions at ``j`` that are right; a decision every answer gets right (or wrong) gets 0. Tokens belong to the word
+their first non-space character starts or continues; whitespace, a stop token and other special tokens belong to
+the next word (the stop is the decision after the last word).
 
 Only the policy's own tokens are in the gradient: no target token is (pure GRPO). The sequence reward is still
 computed and logged, and the held-out metric is the alignment score.
@@ -30,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from interleave_model.evaluation.alignment import align_batch
@@ -78,56 +86,76 @@ def _piece(tokenizer, ids: list[int], t: int) -> str:
     return after[len(before) :] if after.startswith(before) else after
 
 
-def first_wrong_decision(completions: Sequence[str], targets: Sequence[str]) -> list[int]:
-    """Per completion, the index of its first wrong decision: the length of its common word prefix with the target
-    (`Alignment.first_error`), or ``n_target + 1`` when it is the target exactly (every word and the stop right)."""
-    return [
-        a.n_target + 1 if a.first_error == a.n_target == a.n_pred else a.first_error
-        for a in align_batch(completions, targets)
-    ]
+def prefix_decisions(completions: Sequence[str], targets: Sequence[str]) -> Tensor:
+    """``credit: word``: each completion's decisions on the target's path, [N, J] int8: 1 for the words of its common
+    word prefix with the target (`Alignment.first_error`), then 0 for its first wrong decision, then -1 (off the path:
+    no decision of its own, the completion's sequence advantage there). The exact answer's stop is right too."""
+    rows = []
+    for a in align_batch(completions, targets):
+        exact = a.first_error == a.n_target == a.n_pred
+        rows.append([1] * a.first_error + [int(exact)])
+    return _padded(rows)
 
 
-def word_advantages(word_index: Tensor, first_wrong: Tensor, num_generations: int, sequence: Tensor) -> Tensor:
-    """Per-token advantages ``[k > j] - p_j`` on each completion's words ``j <= k``, its sequence advantage after
-    ``k``, 0 outside the mask. [N, C] float32.
+def position_decisions(completions: Sequence[str], targets: Sequence[str]) -> Tensor:
+    """``credit: position``: every decision of each completion against the target's at the same position, [N, J]
+    int8. A completion of L words makes L + 1 decisions: word j (right when it is the target's word j) and then its
+    stop (right when L is the target's length); -1 past its stop. A copy of one fragment is wrong from its second word
+    on, an extra word is the stop decided wrong, one wrong word costs that word alone."""
+    rows = []
+    for completion, target in zip(completions, targets, strict=True):
+        said, wanted = completion.split(), target.split()
+        words = [int(j < len(wanted) and word == wanted[j]) for j, word in enumerate(said)]
+        rows.append(words + [int(len(said) == len(wanted))])
+    return _padded(rows)
+
+
+def _padded(rows: list[list[int]]) -> Tensor:
+    """Rows of 0/1 decisions as one [N, J] int8 tensor, -1 after each row."""
+    out = torch.full((len(rows), max(map(len, rows), default=1)), -1, dtype=torch.int8)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.int8)
+    return out
+
+
+DECISIONS = {"word": prefix_decisions, "position": position_decisions}
+
+
+def word_advantages(word_index: Tensor, decisions: Tensor, num_generations: int, sequence: Tensor) -> Tensor:
+    """Per-token advantages: on a token of word ``j`` where its completion made decision ``j``, ``right - p_j`` with
+    ``p_j`` the share of the group's decisions at ``j`` that are right; elsewhere in the mask the completion's
+    sequence advantage; 0 outside the mask. [N, C] float32.
 
     Args:
         word_index: ``[N, C]`` the word each token writes (`token_word_index`), -1 outside the mask.
-        first_wrong: ``[N]`` each completion's first wrong decision (`first_wrong_decision`).
+        decisions: ``[N, J]`` 1 right, 0 wrong, -1 none (`prefix_decisions`, `position_decisions`).
         num_generations: ``G``; rows are group-major.
         sequence: ``[N]`` the completions' sequence advantages (`grpo.group_advantages`).
     """
     n, _ = word_index.shape
     if n % num_generations:
         raise ValueError(f"{n} rows do not split into groups of num_generations={num_generations}")
-    k = first_wrong.to(word_index.device).long()  # [N]
-    n_positions = int(max(word_index.max().item(), k.max().item())) + 2
-    positions = torch.arange(n_positions, device=word_index.device)  # [J]
-    reached = k[:, None] >= positions  # [N, J] completion reached position j on the target's path
-    right = k[:, None] > positions  # [N, J] and got it right
+    decisions = decisions.to(word_index.device)
+    n_positions = max(int(word_index.max().item()) + 1, decisions.shape[1])
+    decisions = F.pad(decisions, (0, n_positions - decisions.shape[1]), value=-1)  # [N, J]
+    made, right = decisions >= 0, decisions > 0  # [N, J]
     grouped = lambda x: x.view(-1, num_generations, n_positions).float()  # noqa: E731  [P, G, J]
-    p = grouped(right).sum(1) / grouped(reached).sum(1).clamp(min=1)  # [P, J] value of the state at j
+    p = grouped(right).sum(1) / grouped(made).sum(1).clamp(min=1)  # [P, J] the group's share right at j
     per_position = right.float() - p.repeat_interleave(num_generations, dim=0)  # [N, J]
     after = sequence.to(per_position)[:, None].expand_as(per_position)  # [N, J]
-    per_position = torch.where(reached, per_position, after)  # past k: the answer's own advantage
-    index = word_index.clamp(min=0)  # [N, C]
-    advantages = per_position.gather(1, index)  # [N, C]
+    per_position = torch.where(made, per_position, after)  # no decision of its own: the answer's advantage
+    advantages = per_position.gather(1, word_index.clamp(min=0))  # [N, C]
     return torch.where(word_index >= 0, advantages, torch.zeros_like(advantages))  # [N, C]
 
 
-def word_credit(
-    tokenizer,
-    rollout: Rollout,
-    targets: Sequence[str],
-    stop_ids: Sequence[int],
-    num_generations: int,
-    sequence: Tensor,
-) -> tuple[Tensor, float]:
-    """A rollout's per-token advantages ([N, C]) from its `sequence` advantages ([N]), and the share of its
-    completions left without credit because their tokens, decoded one at a time, did not give back their text
-    (`token_word_index`)."""
+def word_decisions(
+    tokenizer, rollout: Rollout, targets: Sequence[str], stop_ids: Sequence[int], credit: str
+) -> tuple[Tensor, Tensor, float]:
+    """What per-word credit needs of a rollout: the word each token writes ([N, C], `token_word_index`), each
+    completion's decisions ([N, J], `DECISIONS[credit]`), and the share of completions left without credit because
+    their tokens, decoded one at a time, did not give back their text. `word_advantages` turns them into per-token
+    advantages once the sequence advantages are final (dynamic sampling and batch scaling come after the rollout)."""
     words = token_word_index(tokenizer, rollout.completion_ids, rollout.completion_mask, stop_ids, rollout.texts)
-    first_wrong = torch.tensor(first_wrong_decision(rollout.texts, targets))  # [N]
     written = rollout.completion_mask.bool().any(1)  # [N] rows with at least one token
     unmatched = ((words < 0).all(1) & written).float().mean().item()
-    return word_advantages(words, first_wrong, num_generations, sequence), unmatched
+    return words, DECISIONS[credit](rollout.texts, targets), unmatched

@@ -1,5 +1,6 @@
-"""Per-word credit: which word each token writes (real families' tokenizers), each completion's first wrong decision,
-the group's per-state baselines, and the loss and a GRPO step taking per-token advantages."""
+"""Per-word credit: which word each token writes (real families' tokenizers), each completion's decisions (on the
+target's path, or at each position), the group's baselines, and the loss and a GRPO step taking per-token
+advantages."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import torch
 
 import interleave_model.algorithm.word_credit as word_credit_py
 from interleave_model.algorithm import grpo
-from interleave_model.algorithm.word_credit import first_wrong_decision, token_word_index, word_advantages
+from interleave_model.algorithm.records import Trajectory
+from interleave_model.algorithm.word_credit import (
+    position_decisions,
+    prefix_decisions,
+    token_word_index,
+    word_advantages,
+)
 from interleave_model.generation.rollout import completion_texts
 from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import load_pretrained, stop_token_ids
@@ -18,17 +25,36 @@ from tests.conftest import fit_one_grpo_step
 TARGET = "a1 b1 a2 b2 a3 b3"
 
 
-def test_first_wrong_decision_is_the_common_prefix_or_past_the_stop_for_the_exact_answer():
+def _rows(decisions: torch.Tensor) -> list[list[int]]:
+    return [[d for d in row if d >= 0] for row in decisions.tolist()]
+
+
+def test_prefix_decisions_are_the_common_prefix_then_one_wrong_and_the_exact_answers_stop_is_right():
     completions = [TARGET, "a1 b1 a2", "a1 a2 a3", "a1 b1 a2 b2 a3 b3 a4", "", "x b1 a2 b2 a3 b3"]
-    assert first_wrong_decision(completions, [TARGET] * 6) == [7, 3, 1, 6, 0, 0]
+    decisions = prefix_decisions(completions, [TARGET] * 6)
+    assert decisions.dtype == torch.int8 and decisions.shape == (6, 7)
+    assert _rows(decisions) == [[1] * 7, [1, 1, 1, 0], [1, 0], [1] * 6 + [0], [0], [0]]
+
+
+def test_position_decisions_judge_each_word_at_its_position_and_the_stop_at_the_targets_length():
+    completions = [TARGET, "a1 a2 a3", "a1 b1 x b2 a3 b3", "a1 b1 a2 b2 a3 b3 a4", "a1 b1", ""]
+    assert _rows(position_decisions(completions, [TARGET] * 6)) == [
+        [1] * 7,  # every word and the stop
+        [1, 0, 0, 0],  # a copy of fragment A: right once, then every word at the wrong place, and stopped early
+        [1, 1, 0, 1, 1, 1, 1],  # one wrong word costs that word alone
+        [1] * 6 + [0, 0],  # an extra word where the stop belonged, then its own stop (not at the target's length)
+        [1, 1, 0],  # stopped early
+        [0],  # said nothing: a stop at 0
+    ]
 
 
 def test_each_word_is_paid_against_the_group_at_the_same_state():
     # one group of 4; completion r writes word j with tokens word_index == j (one token per word, then its stop)
-    first_wrong = torch.tensor([3, 1, 1, 0])
+    first_wrong = [3, 1, 1, 0]  # on the target's path: right before k, wrong at k, none after
+    decisions = torch.tensor([[1] * k + [0] + [-1] * (3 - k) for k in first_wrong], dtype=torch.int8)
     word_index = torch.tensor([[0, 1, 2, 3], [0, 1, 2, -1], [0, 1, -1, -1], [0, 1, 2, 3]])
     sequence = torch.tensor([0.9, -0.1, -0.2, -0.6])
-    adv = word_advantages(word_index, first_wrong, num_generations=4, sequence=sequence)
+    adv = word_advantages(word_index, decisions, num_generations=4, sequence=sequence)
     # word 0: reached by all 4, right in 3 -> p = 3/4; word 1: reached by 3, right in 1 -> p = 1/3;
     # word 2: reached by 1 (the first), right -> p = 1 -> 0; word 3: the first's mistake, reached by it alone -> 0
     expected = torch.tensor(
@@ -44,8 +70,33 @@ def test_each_word_is_paid_against_the_group_at_the_same_state():
 
 def test_groups_do_not_share_baselines():
     word_index = torch.tensor([[0], [0], [0], [0]])
-    adv = word_advantages(word_index, torch.tensor([1, 0, 1, 1]), num_generations=2, sequence=torch.zeros(4))
+    decisions = torch.tensor([[1], [0], [1], [1]], dtype=torch.int8)
+    adv = word_advantages(word_index, decisions, num_generations=2, sequence=torch.zeros(4))
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0]))
+
+
+def test_position_credit_pays_interleaving_and_charges_a_copy():
+    """A group of 2 (one token per word, then the stop): the answer that interleaves gets its words past the first
+    paid, the copy of fragment A is charged for the same positions; the shared first word and a decision both get
+    wrong get 0."""
+    completions = ["a1 b1 a2 b2 a3 b3", "a1 a2 a3"]
+    decisions = position_decisions(completions, [TARGET] * 2)
+    word_index = torch.tensor([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, -1, -1, -1]])
+    adv = word_advantages(word_index, decisions, num_generations=2, sequence=torch.tensor([9.0, -9.0]))
+    torch.testing.assert_close(adv[0], torch.tensor([0.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.0]))
+    torch.testing.assert_close(adv[1], torch.tensor([0.0, -0.5, -0.5, -0.5, 0.0, 0.0, 0.0]))
+
+
+def test_word_credit_composes_the_final_sequence_advantages():
+    """The update composes per-token advantages from the trajectory's sequence advantages as they are at update time,
+    so a batch-wide rescaling (or a refill) after the rollout reaches the tokens past a completion's path."""
+    decisions = torch.tensor([[1, 0], [0, -1]], dtype=torch.int8)
+    word_index = torch.tensor([[0, 1, 2], [0, 1, 2]])
+    t = Trajectory(*[None] * 6, torch.zeros(2), torch.tensor([1.0, -1.0]), None, word_index, decisions)
+    assert torch.equal(Trajectory(*[None] * 6, torch.zeros(2), torch.ones(2), None).token_advantages(2), torch.ones(2))
+    torch.testing.assert_close(t.token_advantages(2), torch.tensor([[0.5, 0.0, 1.0], [-0.5, -1.0, -1.0]]))
+    scaled = t._replace(advantages=torch.tensor([2.0, -2.0]))
+    torch.testing.assert_close(scaled.token_advantages(2), torch.tensor([[0.5, 0.0, 2.0], [-0.5, -2.0, -2.0]]))
 
 
 def test_per_token_advantages_equal_to_the_sequence_one_give_the_sequence_loss():
@@ -111,8 +162,8 @@ def test_a_grpo_step_with_word_credit_trains_on_per_token_advantages(family_fold
 
     monkeypatch.setattr(grpo, "policy_loss", spy)
     # a random model's answers all fail at word 0 (no signal): say every other one got its first word right
-    alternate = lambda texts, targets: [i % 2 for i in range(len(texts))]  # noqa: E731
-    monkeypatch.setattr(word_credit_py, "first_wrong_decision", alternate)
+    alternate = lambda texts, targets: torch.tensor([[1, 0] if i % 2 else [0, -1] for i in range(len(texts))])  # noqa: E731
+    monkeypatch.setitem(word_credit_py.DECISIONS, "word", alternate)
     before = [p.detach().clone() for p in module.policy.parameters() if p.requires_grad]
     trainer = fit_one_grpo_step(module, make_datamodule)
     (advantages, mask), *_ = seen
