@@ -147,10 +147,13 @@ def test_a_row_decoded_apart_differently_gets_no_credit(family):
     assert (index == -1).all()
 
 
-def test_a_grpo_step_with_word_credit_trains_on_per_token_advantages(family_folders, make_datamodule, monkeypatch):
+@pytest.mark.parametrize("credit", ["word", "position"])
+def test_a_grpo_step_with_word_credit_trains_on_per_token_advantages(
+    credit, family_folders, make_datamodule, monkeypatch
+):
     module = InterleaveGRPO(**grouped_hparams({
         "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 4,
-        "beta": 0.0, "credit": "word", "warmup_steps": 0, "learning_rate": 1e-2,
+        "beta": 0.0, "credit": credit, "warmup_steps": 0, "learning_rate": 1e-2,
         "temperature": 20.0,  # the random folder is near one-hot at T 1: no gradient to see
     }))  # fmt: skip
     seen = []
@@ -163,7 +166,7 @@ def test_a_grpo_step_with_word_credit_trains_on_per_token_advantages(family_fold
     monkeypatch.setattr(grpo, "policy_loss", spy)
     # a random model's answers all fail at word 0 (no signal): say every other one got its first word right
     alternate = lambda texts, targets: torch.tensor([[1, 0] if i % 2 else [0, -1] for i in range(len(texts))])  # noqa: E731
-    monkeypatch.setitem(word_credit_py.DECISIONS, "word", alternate)
+    monkeypatch.setitem(word_credit_py.DECISIONS, credit, alternate)
     before = [p.detach().clone() for p in module.policy.parameters() if p.requires_grad]
     trainer = fit_one_grpo_step(module, make_datamodule)
     (advantages, mask), *_ = seen
