@@ -158,4 +158,15 @@ def word_decisions(
     words = token_word_index(tokenizer, rollout.completion_ids, rollout.completion_mask, stop_ids, rollout.texts)
     written = rollout.completion_mask.bool().any(1)  # [N] rows with at least one token
     unmatched = ((words < 0).all(1) & written).float().mean().item()
-    return words, DECISIONS[credit](rollout.texts, targets), unmatched
+    return words, without_unmade_stops(DECISIONS[credit](rollout.texts, targets), rollout), unmatched
+
+
+def without_unmade_stops(decisions: Tensor, rollout: Rollout) -> Tensor:
+    """A completion cut by the token budget never decided to stop: its decision after its last word is none (-1),
+    whatever its words were; its trailing tokens there get its sequence advantage."""
+    out = decisions.clone()
+    for row in rollout.truncated.nonzero().flatten().tolist():
+        n_words = len(rollout.texts[row].split())
+        if n_words < out.shape[1]:
+            out[row, n_words] = -1
+    return out

@@ -16,7 +16,7 @@ from interleave_model.algorithm.word_credit import (
     token_word_index,
     word_advantages,
 )
-from interleave_model.generation.rollout import completion_texts
+from interleave_model.generation.rollout import Rollout, completion_texts
 from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import load_pretrained, stop_token_ids
 from interleave_model.module import InterleaveGRPO
@@ -46,6 +46,16 @@ def test_position_decisions_judge_each_word_at_its_position_and_the_stop_at_the_
         [1, 1, 0],  # stopped early
         [0],  # said nothing: a stop at 0
     ]
+
+
+@pytest.mark.parametrize("credit", ["word", "position"])
+def test_a_completion_cut_by_the_budget_made_no_stop_decision(credit):
+    texts = [TARGET, TARGET, "a1 b1"]
+    roll = Rollout(*[torch.zeros(3, 1)] * 4, torch.tensor([False, True, True]), texts)
+    decisions = word_credit_py.without_unmade_stops(word_credit_py.DECISIONS[credit](texts, [TARGET] * 3), roll)
+    assert decisions[0, 6] == 1  # stopped at the target's length
+    assert decisions[1, 6] == -1 and decisions[2, 2] == -1  # cut: no stop, right or wrong
+    assert decisions[1, :6].tolist() == [1] * 6 and decisions[2, :2].tolist() == [1, 1]
 
 
 def test_each_word_is_paid_against_the_group_at_the_same_state():
