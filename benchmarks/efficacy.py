@@ -302,7 +302,7 @@ def main() -> None:
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
     parser.add_argument(
-        "--credit", default="sequence", choices=["sequence", "word", "position"], help="model.loss.credit"
+        "--credit", default="sequence", choices=["sequence", "word", "position", "pair"], help="model.loss.credit"
     )
     parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")

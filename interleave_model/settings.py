@@ -46,7 +46,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
-Credit = Literal["sequence", "word", "position"]
+Credit = Literal["sequence", "word", "position", "pair"]
 LrSchedule = Literal["cosine", "constant"]
 
 
@@ -130,7 +130,8 @@ class Loss:
         credit: "sequence" (GRPO: every token gets its completion's advantage); "word": each word up to the first
             mistake its own, from the group's completions at the same state, and the completion's advantage after
             it; "position": every word judged against the target's word at its position, and the stop against the
-            target's length, with the group's share right there as the baseline (`algorithm/word_credit.py`).
+            target's length, with the group's share right there as the baseline; "pair": as "position", the two words
+            of each pair right only together (`algorithm/word_credit.py`).
         guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
             supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
             target token in any gradient.

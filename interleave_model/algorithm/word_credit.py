@@ -22,6 +22,10 @@ Two ways to say which decisions a completion made (`model.loss.credit`):
   position rather than per state; it still depends on no answer's own action. Nothing is paid for copying one
   fragment (its words sit at the wrong positions from the second on), a wrong word costs that word, and an answer
   that runs past the target is charged for the first word it writes instead of stopping.
+- ``pair`` (`pair_decisions`): as ``position``, with the two words of each pair (``a_i b_i``) right only together.
+  Under ``position`` SmolLM2 learned to write fragment A's words at their positions and to fill B's slots with A's
+  words again (seed 0: A 0.56 -> 0.87 and B 0.69 -> 0.31 of the held-out words in place, in 33 steps): each A word was
+  paid on its own. Here a pair is paid only when its B word is right too.
 
 Word ``j``'s tokens get ``right - p_j`` where the completion made decision ``j``, ``p_j`` the share of the group's
 decisions at ``j`` that are right; a decision every answer gets right (or wrong) gets 0. Tokens belong to the word
@@ -110,6 +114,19 @@ def position_decisions(completions: Sequence[str], targets: Sequence[str]) -> Te
     return _padded(rows)
 
 
+def pair_decisions(completions: Sequence[str], targets: Sequence[str]) -> Tensor:
+    """``credit: pair``: `position_decisions` with both words of a pair judged together, [N, J] int8: words ``2i`` and
+    ``2i + 1`` are right when both sit at their positions (a pair the answer left unfinished is wrong). An answer
+    that writes fragment A at its positions and fills B's slots with anything earns nothing for its A words."""
+    positions = position_decisions(completions, targets)  # [N, J]
+    rows = []
+    for completion, row in zip(completions, positions.tolist(), strict=True):
+        n_words = len(completion.split())
+        words, stop = row[:n_words] + [0], row[n_words]  # an unfinished pair's missing word is wrong
+        rows.append([words[j] & words[j ^ 1] for j in range(n_words)] + [stop])
+    return _padded(rows)
+
+
 def _padded(rows: list[list[int]]) -> Tensor:
     """Rows of 0/1 decisions as one [N, J] int8 tensor, -1 after each row."""
     out = torch.full((len(rows), max(map(len, rows), default=1)), -1, dtype=torch.int8)
@@ -118,7 +135,7 @@ def _padded(rows: list[list[int]]) -> Tensor:
     return out
 
 
-DECISIONS = {"word": prefix_decisions, "position": position_decisions}
+DECISIONS = {"word": prefix_decisions, "position": position_decisions, "pair": pair_decisions}
 
 
 def word_advantages(word_index: Tensor, decisions: Tensor, num_generations: int, sequence: Tensor) -> Tensor:

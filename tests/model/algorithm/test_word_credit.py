@@ -11,6 +11,7 @@ import interleave_model.algorithm.word_credit as word_credit_py
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.records import Trajectory
 from interleave_model.algorithm.word_credit import (
+    pair_decisions,
     position_decisions,
     prefix_decisions,
     token_word_index,
@@ -48,7 +49,7 @@ def test_position_decisions_judge_each_word_at_its_position_and_the_stop_at_the_
     ]
 
 
-@pytest.mark.parametrize("credit", ["word", "position"])
+@pytest.mark.parametrize("credit", ["word", "position", "pair"])
 def test_a_completion_cut_by_the_budget_made_no_stop_decision(credit):
     texts = [TARGET, TARGET, "a1 b1"]
     roll = Rollout(*[torch.zeros(3, 1)] * 4, torch.tensor([False, True, True]), texts)
@@ -56,6 +57,17 @@ def test_a_completion_cut_by_the_budget_made_no_stop_decision(credit):
     assert decisions[0, 6] == 1  # stopped at the target's length
     assert decisions[1, 6] == -1 and decisions[2, 2] == -1  # cut: no stop, right or wrong
     assert decisions[1, :6].tolist() == [1] * 6 and decisions[2, :2].tolist() == [1, 1]
+
+
+def test_pair_decisions_pay_a_pair_only_when_both_its_words_are_in_place():
+    completions = [TARGET, "a1 a1 a2 a2 a3 a3", "a1 b1 a2 x a3 b3", "a1 b1 a2", "a1 b1 a2 b2 a3 b3 a4"]
+    assert _rows(pair_decisions(completions, [TARGET] * 5)) == [
+        [1] * 7,
+        [0] * 6 + [1],  # fragment A at its positions, B's slots filled with A again: no pair right (the stop is)
+        [1, 1, 0, 0, 1, 1, 1],  # one wrong word costs its pair
+        [1, 1, 0, 0],  # a pair left unfinished is wrong, and so is the early stop
+        [1] * 6 + [0, 0],  # the word where the stop belonged has no partner: wrong
+    ]
 
 
 def test_each_word_is_paid_against_the_group_at_the_same_state():
