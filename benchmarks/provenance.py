@@ -10,13 +10,13 @@ from pathlib import Path
 
 
 def provenance(threads: int | None = None) -> dict[str, object]:
-    """The command line, the commit ("+dirty" when tracked files differ from it; None outside a git checkout),
-    Python, torch, the CPU's model name and torch's thread count (`threads` when the caller set another)."""
+    """The command line, the commit the benchmark started from (`STARTED_AT`), Python, torch, the CPU's model name
+    and torch's thread count (`threads` when the caller set another)."""
     import torch  # here, not above: `vs_trl.py`'s TRL worker imports the benchmarks' helpers before anything heavy
 
     return {
         "command": " ".join(["python", *sys.argv]),
-        "commit": _commit(),
+        "commit": STARTED_AT,
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": _cpu_model(),
@@ -44,3 +44,8 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# the checkout's commit when a benchmark imported this module, at its start ("+dirty" when tracked files differ from
+# it; None outside a git checkout): a run of an hour prints its line after later commits may have landed
+STARTED_AT = _commit()
