@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import get_args
 
 import lightning as L
 import torch
@@ -46,6 +47,7 @@ from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
+from interleave_model.settings import Credit
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
 SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
@@ -301,9 +303,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
-    parser.add_argument(
-        "--credit", default="sequence", choices=["sequence", "word", "position", "pair"], help="model.loss.credit"
-    )
+    parser.add_argument("--credit", default="sequence", choices=get_args(Credit), help="model.loss.credit")
     parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)

@@ -9,7 +9,7 @@ one property of the task used for the baseline: every answer of a group that is 
 state (the same prompt, the same words), so the share of them that get word j right is a Monte-Carlo value of that
 state, measured by the group itself.
 
-Two ways to say which decisions a completion made (`model.loss.credit`):
+Three ways to say which decisions a completion made (`model.loss.credit`):
 
 - ``word`` (`prefix_decisions`): the decisions on the target's path. ``k`` is the completion's first wrong decision:
   the length of its common word prefix with the target (the exact answer's stop is right too). Its words ``j < k`` are
@@ -106,25 +106,28 @@ def position_decisions(completions: Sequence[str], targets: Sequence[str]) -> Te
     int8. A completion of L words makes L + 1 decisions: word j (right when it is the target's word j) and then its
     stop (right when L is the target's length); -1 past its stop. A copy of one fragment is wrong from its second word
     on, an extra word is the stop decided wrong, one wrong word costs that word alone."""
-    rows = []
-    for completion, target in zip(completions, targets, strict=True):
-        said, wanted = completion.split(), target.split()
-        words = [int(j < len(wanted) and word == wanted[j]) for j, word in enumerate(said)]
-        rows.append(words + [int(len(said) == len(wanted))])
-    return _padded(rows)
+    return _padded(_position_rows(completions, targets))
 
 
 def pair_decisions(completions: Sequence[str], targets: Sequence[str]) -> Tensor:
     """``credit: pair``: `position_decisions` with both words of a pair judged together, [N, J] int8: words ``2i`` and
     ``2i + 1`` are right when both sit at their positions (a pair the answer left unfinished is wrong). An answer
     that writes fragment A at its positions and fills B's slots with anything earns nothing for its A words."""
-    positions = position_decisions(completions, targets)  # [N, J]
     rows = []
-    for completion, row in zip(completions, positions.tolist(), strict=True):
-        n_words = len(completion.split())
-        words, stop = row[:n_words] + [0], row[n_words]  # an unfinished pair's missing word is wrong
-        rows.append([words[j] & words[j ^ 1] for j in range(n_words)] + [stop])
+    for *words, stop in _position_rows(completions, targets):
+        paired = words + [0]  # an unfinished pair's missing word is wrong
+        rows.append([paired[j] & paired[j ^ 1] for j in range(len(words))] + [stop])
     return _padded(rows)
+
+
+def _position_rows(completions: Sequence[str], targets: Sequence[str]) -> list[list[int]]:
+    """Per completion of L words, its L + 1 decisions at their positions (`position_decisions`), unpadded."""
+    rows = []
+    for completion, target in zip(completions, targets, strict=True):
+        said, wanted = completion.split(), target.split()
+        words = [int(j < len(wanted) and word == wanted[j]) for j, word in enumerate(said)]
+        rows.append(words + [int(len(said) == len(wanted))])
+    return rows
 
 
 def _padded(rows: list[list[int]]) -> Tensor:
@@ -145,7 +148,7 @@ def word_advantages(word_index: Tensor, decisions: Tensor, num_generations: int,
 
     Args:
         word_index: ``[N, C]`` the word each token writes (`token_word_index`), -1 outside the mask.
-        decisions: ``[N, J]`` 1 right, 0 wrong, -1 none (`prefix_decisions`, `position_decisions`).
+        decisions: ``[N, J]`` 1 right, 0 wrong, -1 none (`DECISIONS`).
         num_generations: ``G``; rows are group-major.
         sequence: ``[N]`` the completions' sequence advantages (`grpo.group_advantages`).
     """
