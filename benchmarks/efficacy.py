@@ -41,6 +41,7 @@ from provenance import provenance
 from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_data.hints import HintSettings
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward, PrefixReward
 from interleave_model.legacy import grouped_hparams
@@ -157,7 +158,7 @@ def _datamodule(args, module: InterleaveGRPO, stages: list[int], seed: int, **ov
     kwargs = dict(
         stages=stages, template=args.template, train_pairs=args.train_pairs, val_pairs=args.val_pairs, test_pairs=0,
         batch_size=args.batch_size, sft_batch_size=args.sft_batch_size, eval_batch_size=args.eval_batch_size, seed=seed,
-        cache_dir=args.cache_dir,
+        cache_dir=args.cache_dir, hints=HintSettings(args.hint_pairs, args.hint_decay_steps),
         tokenizer=module.tokenizer,
     )  # fmt: skip
     return InterleaveDataModule(**(kwargs | overrides))
@@ -304,6 +305,8 @@ def main() -> None:
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
     parser.add_argument("--credit", default="sequence", choices=get_args(Credit), help="model.loss.credit")
+    parser.add_argument("--hint-pairs", type=int, default=0, help="data.hints.pairs: the answer's first pairs")
+    parser.add_argument("--hint-decay-steps", type=int, default=0, help="data.hints.decay_steps")
     parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)
