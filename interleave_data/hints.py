@@ -42,7 +42,7 @@ def most_pairs(settings: HintSettings, grpo_batch: int) -> int:
 
 def draw_pairs(rng: random.Random, examples: list[Example], most: int) -> list[int]:
     """Each example's hint, uniform in 0..`most` pairs and always short of its whole answer."""
-    return [rng.randint(0, min(most, e.n_words - 1)) if most > 0 else 0 for e in examples]
+    return [rng.randint(0, min(most, e.n_words - 1)) for e in examples]
 
 
 def split_hint(example: Example, pairs: int) -> tuple[str, Example]:
