@@ -150,6 +150,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
         credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()],
         guidance=args.guidance, guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
+        reference_in_group=args.reference_in_group, shaping_gamma=args.shaping_gamma,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -278,6 +279,10 @@ def main() -> None:
     parser.add_argument("--guidance", type=float, default=0.0, help="mu of the reference guidance (CHORD-phi); 0: off")
     parser.add_argument("--guidance-final", type=float, default=0.0, help="mu after --guidance-decay-steps")
     parser.add_argument("--guidance-decay-steps", type=int, default=0, help="GRPO steps of mu's cosine; 0: constant")
+    parser.add_argument(
+        "--reference-in-group", action="store_true", help="the known answer joins each group (LUFFY); default: off"
+    )
+    parser.add_argument("--shaping-gamma", type=float, default=0.1, help="LUFFY's p / (p + gamma) on its tokens")
     parser.add_argument("--sft-batch-size", type=int, default=32, help="pairs per warm-start (and sft arm) step")
     parser.add_argument("--eval-batch-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of this process")

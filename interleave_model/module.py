@@ -22,7 +22,12 @@ from interleave_model.algorithm.completions import (
     row_chunks,
 )
 from interleave_model.algorithm.dynamic_sampling import refill
-from interleave_model.algorithm.guidance import guidance_weight, phi_sft_loss
+from interleave_model.algorithm.guidance import (
+    guidance_weight,
+    mixed_group_advantages,
+    phi_sft_loss,
+    shaped_reference_loss,
+)
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
@@ -136,6 +141,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         # load_from_checkpoint passes these back as the dicts hparams hold
         tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
+        if self.loss.reference_in_group and self.dynamic_sampling is not None:
+            raise ValueError("model.loss.reference_in_group needs model.dynamic_sampling off: refills change groups")
         # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
         # checkpoint names the model, not this machine's cache
         self.model_path = resolve_model(base.name_or_path)
@@ -297,6 +304,12 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         advantages = trajectory.token_advantages(G)  # [N], or per word [N, C]
+        samples_share, reference = 1.0, None
+        if loss.reference_in_group:  # LUFFY: each group's reference is one more member, scored with the samples
+            advantages, reference = mixed_group_advantages(
+                trajectory.rewards, self._reference_rewards(batch), G, loss.scale_rewards, loss.advantage_estimator
+            )  # [N], [P]
+            samples_share = G / (G + 1)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
@@ -317,12 +330,16 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
             share = 1.0 if loss.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
-            self.manual_backward(out.loss * share * (1.0 - mu))
+            self.manual_backward(out.loss * share * samples_share * (1.0 - mu))
             entropy = grpo.masked_mean(entropy, mask[rows])
-            totals["loss"] += out.loss.item() * share * (1.0 - mu)
+            totals["loss"] += out.loss.item() * share * samples_share * (1.0 - mu)
             totals["pg_loss"] += out.pg_loss.item() * share
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
+        if reference is not None:
+            totals["reference_loss"] = self._reference_backward(batch, reference, (1.0 - samples_share) * (1.0 - mu))
+            totals["loss"] += totals["reference_loss"] * (1.0 - samples_share) * (1.0 - mu)
+            totals["reference_advantage"] = reference.mean().item()
         if mu > 0:
             totals["guidance"], totals["guidance_loss"] = mu, self._guidance_backward(batch, mu)
             totals["loss"] += mu * totals["guidance_loss"]
@@ -360,6 +377,21 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         guided = phi_sft_loss(logits, labels)
         self.manual_backward(guided * mu)
         return guided.item()
+
+    def _reference_rewards(self, batch: dict) -> Tensor:
+        """The reward each prompt's known answer earns, as its group's reference member (`loss.reference_in_group`)."""
+        targets = batch["targets"]
+        fields = {name: batch[name] for name in FIELDS if name in batch}
+        rewards, _ = combine(self.reward_functions, targets, targets, [False] * len(targets), **fields)
+        return torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P]
+
+    def _reference_backward(self, batch: dict, advantages: Tensor, weight: float) -> float:
+        """Backward of `weight` times LUFFY's shaped loss on the batch's known answers; its value."""
+        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
+        logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
+        shaped = shaped_reference_loss(logits / self.temperature, labels, advantages, self.loss.shaping_gamma)
+        self.manual_backward(shaped * weight)
+        return shaped.item()
 
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None

@@ -137,6 +137,11 @@ class Loss:
             target token in any gradient.
         guidance_final: mu after `guidance_decay_steps` GRPO steps.
         guidance_decay_steps: GRPO steps of mu's cosine decay from `guidance` to `guidance_final`; 0 keeps `guidance`.
+        reference_in_group: The known answer joins each group as one more member with its reward, and its tokens are
+            learned through policy shaping (LUFFY, `algorithm/guidance.py`); the loss is ``G / (G + 1)`` of GRPO's on
+            the samples plus ``1 / (G + 1)`` of the reference's. False (default): pure GRPO. Needs `credit:
+            sequence`, `scale_rewards` `group` or `none`, and no dynamic sampling.
+        shaping_gamma: gamma of the shaping ``p / (p + gamma)`` on the reference's tokens, > 0.
     """
 
     beta: float = 0.04
@@ -152,8 +157,17 @@ class Loss:
     guidance: float = 0.0
     guidance_final: float = 0.0
     guidance_decay_steps: int = 0
+    reference_in_group: bool = False
+    shaping_gamma: float = 0.1
 
     def __post_init__(self) -> None:
+        if self.shaping_gamma <= 0:
+            raise ValueError(f"model.loss.shaping_gamma must be > 0, got {self.shaping_gamma}")
+        if self.reference_in_group and (self.credit != "sequence" or self.scale_rewards == "batch"):
+            raise ValueError(
+                "model.loss.reference_in_group scores each group with its reference: it needs credit: sequence and "
+                f"scale_rewards group or none, got credit {self.credit}, scale_rewards {self.scale_rewards}"
+            )
         for name in ("guidance", "guidance_final"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"model.loss.{name} must be in [0, 1], got {getattr(self, name)}")
