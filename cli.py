@@ -27,9 +27,10 @@ from interleave_model.run.runs import RunError, config_filename, place_run, requ
 from interleave_model.run.writers import EvaluationReport, PredictionWriter
 from interleave_model.runtime.compat import CompatCLI
 from interleave_model.runtime.machine import MachineError, settle, settle_engine
+from interleave_model.settings import SettingsError
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError, MovedKeyError)
+USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError, MovedKeyError, SettingsError)
 
 
 class InterleaveTrainer(Trainer):

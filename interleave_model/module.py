@@ -62,6 +62,7 @@ from interleave_model.settings import (
     Loss,
     Optimization,
     Sampling,
+    SettingsError,
     TinyModelConfig,
     VllmSettings,
     as_group,
@@ -142,7 +143,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
         if self.loss.reference_in_group and self.dynamic_sampling is not None:
-            raise ValueError("model.loss.reference_in_group needs model.dynamic_sampling off: refills change groups")
+            raise SettingsError("model.loss.reference_in_group needs model.dynamic_sampling off: refills change groups")
         # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
         # checkpoint names the model, not this machine's cache
         self.model_path = resolve_model(base.name_or_path)

@@ -50,6 +50,10 @@ Credit = Literal["sequence", "word", "position", "pair"]
 LrSchedule = Literal["cosine", "constant"]
 
 
+class SettingsError(ValueError):
+    """A setting out of its range, or settings that do not fit together: the CLI says it in one `error:` line."""
+
+
 TINY = "tiny"
 """`model.base.name_or_path` of the embedded tiny Llama, built in memory (`model/policy.py`)."""
 
@@ -104,7 +108,7 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
-            raise ValueError(
+            raise SettingsError(
                 f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
             )
 
@@ -162,19 +166,19 @@ class Loss:
 
     def __post_init__(self) -> None:
         if self.shaping_gamma <= 0:
-            raise ValueError(f"model.loss.shaping_gamma must be > 0, got {self.shaping_gamma}")
+            raise SettingsError(f"model.loss.shaping_gamma must be > 0, got {self.shaping_gamma}")
         if self.reference_in_group and (self.credit != "sequence" or self.scale_rewards == "batch"):
-            raise ValueError(
+            raise SettingsError(
                 "model.loss.reference_in_group scores each group with its reference: it needs credit: sequence and "
                 f"scale_rewards group or none, got credit {self.credit}, scale_rewards {self.scale_rewards}"
             )
         for name in ("guidance", "guidance_final"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"model.loss.{name} must be in [0, 1], got {getattr(self, name)}")
+                raise SettingsError(f"model.loss.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise ValueError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
+            raise SettingsError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.num_iterations < 1:
-            raise ValueError(f"model.loss.num_iterations must be >= 1, got {self.num_iterations}")
+            raise SettingsError(f"model.loss.num_iterations must be >= 1, got {self.num_iterations}")
         if self.kl_estimator == "k1" and self.beta > 0:
             rank_zero_warn(
                 "model.loss.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises "
@@ -239,12 +243,12 @@ def resolve_pass_k(num_samples: int, ks: Sequence[int] | None) -> list[int]:
         ValueError: If `num_samples` is negative or a k is outside ``[1, num_samples]``.
     """
     if num_samples < 0:
-        raise ValueError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
+        raise SettingsError(f"model.evaluation.num_samples must be >= 0, got {num_samples}")
     if num_samples == 0:
         return []
     ks = sorted(set(ks)) if ks is not None else sorted({1, num_samples})
     if not ks or ks[0] < 1 or ks[-1] > num_samples:
-        raise ValueError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
+        raise SettingsError(f"model.evaluation.pass_k must be in [1, num_samples={num_samples}], got {ks}")
     return ks
 
 
@@ -319,7 +323,7 @@ class DynamicSampling:
 
     def __post_init__(self):
         if self.max_rounds < 0:
-            raise ValueError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
+            raise SettingsError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
 
 
 @dataclass
@@ -370,7 +374,7 @@ GROUPS: dict[str, type] = {
 def check_groups(sampling: Sampling, loss: Loss) -> None:
     """Refuse settings that do not fit together across groups."""
     if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
-        raise ValueError(
+        raise SettingsError(
             "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
             "(or a fixed model.sampling.max_new_tokens)"
         )

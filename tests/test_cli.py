@@ -95,6 +95,20 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     assert err == [f"error: model.base.init_from: {missing} does not exist"]
 
 
+@pytest.mark.parametrize(
+    "setting, says",
+    [
+        (["--model.loss.guidance=1.5"], "error: model.loss.guidance must be in [0, 1], got 1.5"),
+        (["--model.loss.reference_in_group=true", "--model.loss.credit=word"], "error: model.loss.reference_in_group"),
+    ],
+)
+def test_a_setting_out_of_range_is_a_one_line_error_with_exit_2(setting, says, capsys):
+    assert run(["fit", "--config", str(TINY_CONFIG), "--trainer.logger=false", *setting]) == 2
+
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(says)
+
+
 @pytest.mark.parametrize("subcommand", ["fit", "validate"])
 def test_a_gpu_config_without_a_gpu_is_refused_before_anything_is_built(subcommand, tmp_path, capsys, monkeypatch):
     """configs/llama-3.2-3b.yaml asks for a GPU: without one, one line says what to change; no model is loaded."""
