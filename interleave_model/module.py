@@ -264,7 +264,12 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         fields = {name: each(batch[name]) for name in FIELDS if name in batch}
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist(), **fields)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
-        advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
+        scaling = loss.scale_rewards, loss.advantage_estimator
+        reference = None
+        if loss.reference_in_group:  # LUFFY: each group's known answer is one more member, scored with the samples
+            advantages, reference = mixed_group_advantages(rewards, self._reference_rewards(batch), G, *scaling)
+        else:
+            advantages = grpo.group_advantages(rewards, G, *scaling)  # [P*G]
         credit, words = {}, (None, None)
         if loss.credit != "sequence":  # each word its own advantage in the update (`Trajectory.token_advantages`)
             *words, unmatched = word_decisions(self.tokenizer, roll, targets, self.stop_ids, loss.credit)
@@ -282,7 +287,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
                 trainer = self._logprobs(self.policy, *sequences) if old is None else old
                 gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
-        trajectory = Trajectory(*sequences, roll.completion_mask, old, ref, rewards, advantages, roll, *words)
+        fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll, *words)
+        trajectory = Trajectory(*fixed, reference_advantages=reference)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
         stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled} | credit
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
@@ -305,12 +311,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
         advantages = trajectory.token_advantages(G)  # [N], or per word [N, C]
-        samples_share, reference = 1.0, None
-        if loss.reference_in_group:  # LUFFY: each group's reference is one more member, scored with the samples
-            advantages, reference = mixed_group_advantages(
-                trajectory.rewards, self._reference_rewards(batch), G, loss.scale_rewards, loss.advantage_estimator
-            )  # [N], [P]
-            samples_share = G / (G + 1)
+        reference = trajectory.reference_advantages  # [P], with the known answer as one more group member
+        samples_share = 1.0 if reference is None else G / (G + 1)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):

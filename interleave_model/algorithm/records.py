@@ -26,6 +26,7 @@ class Trajectory(NamedTuple):
     rollout: Rollout
     word_index: Tensor | None = None  # [P*G, C] the word each token writes, with per-word credit (-1: none)
     decisions: Tensor | None = None  # [P*G, J] each completion's decisions, with per-word credit (-1: none)
+    reference_advantages: Tensor | None = None  # [P] each group's known answer, with `loss.reference_in_group`
 
     def token_advantages(self, num_generations: int) -> Tensor:
         """The advantages the loss takes: [P*G], or [P*G, C] with per-word credit (`word_credit.word_advantages`)."""
