@@ -25,11 +25,14 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+
+from tests.preloaded import Preloaded
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Everyday commands", "Your own model", "On a GPU")
@@ -125,7 +128,8 @@ class Outcomes:
         self.root, self.model, self.done = root, model, {}
         # vLLM on a CPU takes the config's gpu_memory_utilization as a share of this machine's memory (7 GiB here for
         # the 3B config); 1 GiB of KV cache holds the fixture's answers
-        self.env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        self.commands = Preloaded(env)  # each command a fresh process, the libraries imported once
 
     def __getitem__(self, command: str) -> subprocess.CompletedProcess:
         if command not in self.done:
@@ -147,12 +151,11 @@ class Outcomes:
             self.done[command] = self.run(command, folder)
 
     def run(self, command: str, folder: Path) -> subprocess.CompletedProcess:
-        argv = runnable(command, self.model, folder / "cache")
-        return subprocess.run(argv, cwd=folder, env=self.env, capture_output=True, text=True, timeout=600)
+        return self.commands.run(runnable(command, self.model, folder / "cache"), folder, timeout=600)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, family_folders) -> Outcomes:
+def outcomes(tmp_path_factory, family_folders) -> Iterator[Outcomes]:
     """The documented commands' outcomes, each chain run in a folder holding `cli.py` and `configs/` as a checkout
     does."""
     # configs/eval.yaml evaluates up to 500 words, 6,122 tokens with the fixture's small BPE: more than the family
@@ -160,7 +163,9 @@ def outcomes(tmp_path_factory, family_folders) -> Outcomes:
     model = shutil.copytree(family_folders["llama3"], tmp_path_factory.mktemp("llama-3.2") / "model")
     config = json.loads((model / "config.json").read_text())
     (model / "config.json").write_text(json.dumps(config | {"max_position_embeddings": LLAMA_3_2_POSITIONS}))
-    return Outcomes(tmp_path_factory.mktemp("readme"), model)
+    outcomes = Outcomes(tmp_path_factory.mktemp("readme"), model)
+    yield outcomes
+    outcomes.commands.close()
 
 
 def test_the_commands_are_found():
