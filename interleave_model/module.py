@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Literal
 
@@ -340,11 +341,16 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
         if reference is not None:
-            totals["reference_loss"] = self._reference_backward(batch, reference, (1.0 - samples_share) * (1.0 - mu))
-            totals["loss"] += totals["reference_loss"] * (1.0 - samples_share) * (1.0 - mu)
+
+            def shaped(logits: Tensor, labels: Tensor) -> Tensor:  # LUFFY's loss, at the rollout's temperature
+                return shaped_reference_loss(logits / temperature, labels, reference, loss.shaping_gamma)
+
+            weight = (1.0 - samples_share) * (1.0 - mu)
+            totals["reference_loss"] = self._target_backward(batch, weight, shaped)
+            totals["loss"] += totals["reference_loss"] * weight
             totals["reference_advantage"] = reference.mean().item()
         if mu > 0:
-            totals["guidance"], totals["guidance_loss"] = mu, self._guidance_backward(batch, mu)
+            totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, phi_sft_loss)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         advantages = advantages.abs()
@@ -356,13 +362,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
     def sft_step(self, batch: dict) -> dict[str, float]:
         """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
         started = time.perf_counter()
-        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
-        optimizer = self.optimizers()
-        optimizer.zero_grad()
-        logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
-        loss = grpo.sft_loss(logits, labels)
-        self.manual_backward(loss)
-        stats = {"train/sft_loss": loss.item()} | self._step_optimizer(loss.item(), "sft")
+        self.optimizers().zero_grad()
+        loss = self._target_backward(batch, 1.0, grpo.sft_loss)
+        stats = {"train/sft_loss": loss} | self._step_optimizer(loss, "sft")
         return stats | {"time/update_s": time.perf_counter() - started}
 
     # ---------------------------------------------------------------- pieces
@@ -373,13 +375,14 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         steps = self.global_step - (self.grpo_start or 0)
         return guidance_weight(steps, loss.guidance, loss.guidance_final, loss.guidance_decay_steps)
 
-    def _guidance_backward(self, batch: dict, mu: float) -> float:
-        """Backward of `mu` times the phi-weighted cross-entropy on the batch's targets; its value."""
+    def _target_backward(self, batch: dict, weight: float, loss_of: Callable[[Tensor, Tensor], Tensor]) -> float:
+        """Backward of `weight` times a loss of the policy's logits on the batch's known answers and their labels
+        (the warm start's cross-entropy, guidance's phi-weighted one, LUFFY's shaped loss); the loss's value."""
         input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
         logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
-        guided = phi_sft_loss(logits, labels)
-        self.manual_backward(guided * mu)
-        return guided.item()
+        loss = loss_of(logits, labels)
+        self.manual_backward(loss * weight)
+        return loss.item()
 
     def _reference_rewards(self, batch: dict) -> Tensor:
         """The reward each prompt's known answer earns, as its group's reference member (`loss.reference_in_group`)."""
@@ -387,14 +390,6 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         fields = {name: batch[name] for name in FIELDS if name in batch}
         rewards, _ = combine(self.reward_functions, targets, targets, [False] * len(targets), **fields)
         return torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P]
-
-    def _reference_backward(self, batch: dict, advantages: Tensor, weight: float) -> float:
-        """Backward of `weight` times LUFFY's shaped loss on the batch's known answers; its value."""
-        input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T] each
-        logits = completion_logits(self.policy, input_ids, attention_mask, width=labels.shape[1])  # [B, T, V]
-        shaped = shaped_reference_loss(logits / self.temperature, labels, advantages, self.loss.shaping_gamma)
-        self.manual_backward(shaped * weight)
-        return shaped.item()
 
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
