@@ -16,7 +16,6 @@ import runpy
 import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 # what every command imports: the libraries, not the project's own modules, which each command runs afresh
@@ -26,11 +25,13 @@ LIBRARIES = ("torch", "transformers", "peft", "lightning", "lightning.pytorch.cl
 class Preloaded:
     """A server process holding the imported libraries; `run` gives a finished command as `subprocess.run` would."""
 
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], outputs: Path) -> None:
+        """`env`: the commands' environment, the server's too; `outputs`: a folder for each command's stdout and
+        stderr while it runs."""
         self.server = subprocess.Popen(
             [sys.executable, __file__], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
-        self.outputs = Path(tempfile.mkdtemp(prefix="preloaded-"))
+        self.outputs = outputs
 
     def run(self, argv: list[str], cwd: Path, timeout: int) -> subprocess.CompletedProcess:
         """Run `argv` (`[python, cli.py | -m module, *args]`) in `cwd`; killed after `timeout` seconds."""

@@ -129,7 +129,7 @@ class Outcomes:
         # vLLM on a CPU takes the config's gpu_memory_utilization as a share of this machine's memory (7 GiB here for
         # the 3B config); 1 GiB of KV cache holds the fixture's answers
         env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.commands = Preloaded(env)  # each command a fresh process, the libraries imported once
+        self.commands = Preloaded(env, root)  # each command a fresh process, the libraries imported once
 
     def __getitem__(self, command: str) -> subprocess.CompletedProcess:
         if command not in self.done:
