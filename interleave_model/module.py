@@ -284,17 +284,11 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
             old = self._logprobs(self.policy, *sequences) if loss.num_iterations > 1 else None
             ref = self._reference_logprobs(*sequences) if loss.beta > 0 else None
-            gap = None
-            if roll.logprobs is not None:  # how far the engine's numerics are from the trainer's (off-policy gap)
-                trainer = self._logprobs(self.policy, *sequences) if old is None else old
-                gap = grpo.masked_mean((trainer - roll.logprobs).abs(), roll.completion_mask.float()).item()
         fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll, *words)
         trajectory = Trajectory(*fixed, reference_advantages=reference)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
         stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled} | credit
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
-        if gap is not None:
-            stats["train/engine_logprob_gap"] = gap
         return trajectory, stats
 
     def grpo_step(self, trajectory: Trajectory, batch: dict) -> dict[str, float]:
@@ -311,6 +305,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         if loss.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
         totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        engine_logprobs = trajectory.rollout.logprobs  # [N, C], the sampling engine's, when it records them
+        if engine_logprobs is not None:  # how far its numerics are from the trainer's (the off-policy gap)
+            totals["engine_logprob_gap"] = 0.0
         advantages = trajectory.token_advantages(G)  # [N], or per word [N, C]
         reference = trajectory.reference_advantages  # [P], with the known answer as one more group member
         samples_share = 1.0 if reference is None else G / (G + 1)
@@ -328,7 +325,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 loss_type=loss.loss_type, num_tokens=num_tokens,
                 max_completion_length=loss.max_completion_length or self.sampling.max_new_tokens,
                 importance_weights=None if cap is None else
-                grpo.truncated_importance_weights(old, trajectory.rollout.logprobs[rows], cap),
+                grpo.truncated_importance_weights(old, engine_logprobs[rows], cap),
             )  # fmt: skip
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
@@ -340,6 +337,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             totals["pg_loss"] += out.pg_loss.item() * share
             for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
+            if engine_logprobs is not None:  # `old` is the trainer's log-probs of the weights that sampled
+                gap = grpo.masked_mean((old - engine_logprobs[rows]).abs(), mask[rows])
+                totals["engine_logprob_gap"] += gap.item() * token_share
         if reference is not None:
 
             def shaped(logits: Tensor, labels: Tensor) -> Tensor:  # LUFFY's loss, at the rollout's temperature
@@ -395,9 +395,9 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None
     ) -> Rollout:
         # every optimizer step moves global_step, so a new step means new weights for the engine; while training,
-        # the update gets the engine's KV memory after sampling
-        version, rank, sleep = self.global_step, self.global_rank, self.training
-        return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, sleep)
+        # the update gets the engine's KV memory after sampling, and the own sampler may sample from a merged copy
+        version, rank, training = self.global_step, self.global_rank, self.training
+        return self.sampler.rollout(batch, num_generations, temperature, generator, version, rank, training)
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         temperature, G = self.temperature, self.sampling.num_generations

@@ -97,6 +97,15 @@ class Sampling:
         top_k: Keep the k most likely tokens; 0 keeps all.
         max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
         budget_margin: Share of the longest target's token length added to the automatic budget.
+        merged_copy: The own sampler's training rollout comes from a copy of the policy with the adapter merged into
+            its weights, in this dtype ("float32" or "bfloat16"), refreshed after each update
+            (`generation/merged_copy.py`); null samples from the policy itself. "float32" samples the same
+            distribution up to rounding; "bfloat16" reads half the bytes per decode step but samples a slightly
+            different policy (its log-probs are recorded: `train/engine_logprob_gap`), and on a CPU without bf16
+            instructions falls back to "float32". Validation, test and predict always sample from the policy.
+        importance_sampling_cap: With a merged copy, weight each token's policy-gradient term by the truncated
+            importance ratio min(pi_policy / pi_copy, cap) (TIS, as `model.vllm.importance_sampling_cap` does for
+            vLLM's samples); null: no correction.
     """
 
     num_generations: int = 8
@@ -105,11 +114,21 @@ class Sampling:
     top_k: int = 0
     max_new_tokens: int | None = None
     budget_margin: float = 0.25
+    merged_copy: str | None = None
+    importance_sampling_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_generations < 2:
             raise SettingsError(
                 f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
+            )
+        if self.merged_copy not in (None, "float32", "bfloat16"):
+            raise SettingsError(
+                f"model.sampling.merged_copy must be null, float32 or bfloat16, got {self.merged_copy!r}"
+            )
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1.0:
+            raise SettingsError(
+                f"model.sampling.importance_sampling_cap must be null or >= 1, got {self.importance_sampling_cap}"
             )
 
 

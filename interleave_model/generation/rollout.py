@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout_cache import rollout_cache
 
 _BLOCK = 256  # tokens per block of the sampler's two-level CDF
@@ -24,7 +25,7 @@ class Rollout(NamedTuple):
     completion_mask: Tensor  # [P*G, C] 1 = generated token up to and including the first stop token
     truncated: Tensor  # [P*G] bool: the budget ran out before a stop token
     texts: list[str]  # the decoded tokens before the first stop token (see `completion_texts`)
-    logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM only)
+    logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM, a merged copy)
 
 
 def position_ids(attention_mask: Tensor) -> Tensor:
@@ -59,7 +60,8 @@ def sample(
     top_k: int = 0,
     generator: torch.Generator | None = None,
     check_every: int = _CHECK_EVERY,
-) -> tuple[Tensor, Tensor, Tensor]:
+    with_logprobs: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """Sample `num_generations` completions per prompt; temperature 0 means greedy.
 
     The decode loop reads nothing back from the device between checks: every `check_every` steps it looks whether
@@ -76,9 +78,12 @@ def sample(
             first of any of them, as HF `generate` does with a list of `eos_token_id`.
         pad_token_id: Written after a row's stop token.
         check_every: Decode steps between two looks at which rows have stopped (each look is one host sync).
+        with_logprobs: Also return each sampled token's log-prob under `model` at `temperature` (as the trainer
+            scores it: softmax of the logits over the temperature, before top-k / top-p), 0 after a row's stop.
 
     Returns:
-        `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G])`, C <= max_new_tokens.
+        `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G], logprobs [P*G, C] or None)`,
+        C <= max_new_tokens.
     """
     was_training = model.training
     model.eval()  # dropout off while sampling, so the rollout is drawn from the policy being scored
@@ -110,12 +115,17 @@ def sample(
         stops = torch.as_tensor(list(stop_ids), device=logits.device)  # [S]
         pad = torch.full((n,), pad_token_id, dtype=torch.long, device=logits.device)  # [P*G]
         tokens: list[Tensor] = []
+        logprobs: list[Tensor] = []
         for step in range(max_new_tokens):
             # one number per row of the batch, whatever rows are retired, so each row draws the same numbers
             uniform = None if temperature == 0 else _uniform(n, generator, logits.device)[rows]  # [R, 1]
-            token = pad.index_put((rows,), _pick(logits, temperature, top_p, top_k, uniform))  # [P*G]
-            token = torch.where(finished, pad, token)
+            picked = _pick(logits, temperature, top_p, top_k, uniform)  # [R]
+            token = torch.where(finished, pad, pad.index_put((rows,), picked))  # [P*G]
             tokens.append(token)
+            if with_logprobs:
+                scaled = logits.float() / (temperature or 1.0)  # [R, V]
+                picked_logprobs = scaled.log_softmax(-1).gather(-1, picked[:, None])[:, 0]  # [R]
+                logprobs.append(torch.zeros(n, device=logits.device).index_put((rows,), picked_logprobs))
             finished |= torch.isin(token, stops)
             if step == max_new_tokens - 1:  # no forward whose logits nobody reads
                 break
@@ -138,10 +148,13 @@ def sample(
             logits = out.logits[:, -1]  # [R, V]
         completion_ids = torch.stack(tokens, dim=1)  # [P*G, C]
         completion_mask = _mask_through_stop(completion_ids, stops)  # [P*G, C]
+        sampled_logprobs = torch.stack(logprobs, dim=1) * completion_mask if with_logprobs else None  # [P*G, C]
         if finished.all():  # the steps the checks let run after the last stop are all pad: drop them
             completion_ids = completion_ids[:, : int(completion_mask.sum(-1).max())]
             completion_mask = completion_mask[:, : completion_ids.shape[1]]
-        return completion_ids, completion_mask, ~finished
+            if sampled_logprobs is not None:
+                sampled_logprobs = sampled_logprobs[:, : completion_ids.shape[1]]
+        return completion_ids, completion_mask, ~finished, sampled_logprobs
     finally:
         model.train(was_training)
 
@@ -157,7 +170,7 @@ def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Ten
     if not padded:
         return None
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation == "sdpa":
+    if implementation in ("sdpa", GROUPED_DECODE):
         return attention.bool()[:, None, None, :]
     if implementation == "eager":
         dtype = model.get_input_embeddings().weight.dtype  # transformers' choice: the dtype of the embeddings
@@ -185,7 +198,7 @@ def rollout(
     """
     G = kwargs["num_generations"]
     stop_ids = [tokenizer.eos_token_id] if stop_ids is None else list(stop_ids)
-    completion_ids, completion_mask, truncated = sample(
+    completion_ids, completion_mask, truncated, logprobs = sample(
         model, prompt_ids, prompt_mask, stop_ids=stop_ids, pad_token_id=tokenizer.pad_token_id, **kwargs
     )
     return Rollout(
@@ -195,6 +208,7 @@ def rollout(
         completion_mask=completion_mask,
         truncated=truncated,
         texts=completion_texts(tokenizer, completion_ids, stop_ids),
+        logprobs=logprobs,
     )
 
 

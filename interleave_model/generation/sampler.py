@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from interleave_model.generation.merged_copy import MergedCopy
 from interleave_model.generation.rollout import Rollout, rollout, token_budget
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
@@ -48,6 +49,7 @@ class Sampler:
         self.model_path = None if model_name_or_path == TINY else model_name_or_path
         self.vllm, self.seed = vllm, seed
         self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
+        self.copy: MergedCopy | None = None  # built at the first training rollout with `sampling.merged_copy`
 
     def rollout(
         self,
@@ -57,23 +59,26 @@ class Sampler:
         generator: torch.Generator | None = None,
         version: int = 0,
         rank: int = 0,
-        sleep: bool = False,
+        training: bool = False,
     ) -> Rollout:
         """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k.
 
-        `version` names the policy's weights (the global step): the engine takes them again when it changes.
-        `sleep` hands the engine's KV memory to the update after sampling (sleep mode on a GPU).
+        `version` names the policy's weights (the global step): the engine (or the merged copy) takes them again
+        when it changes. A `training` rollout hands the engine's KV memory to the update after sampling (sleep mode
+        on a GPU), and the own sampler draws it from the merged copy when `sampling.merged_copy` is set.
         """
         kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["target_ids"]),
                   "temperature": temperature, "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
                   "generator": generator}  # fmt: skip
         if self.kind == "own":
-            return rollout(
-                self.policy, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs
-            )
+            model = self.policy
+            if training and self.sampling.merged_copy is not None:
+                self.copy = self.copy or MergedCopy(self.policy, self.sampling.merged_copy)
+                model, kwargs["with_logprobs"] = self.copy.refresh(version), True
+            return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
         engine = self._vllm_engine(version, rank)
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
-        if sleep:
+        if training:
             engine.sleep()
         return roll
 
@@ -97,8 +102,12 @@ class Sampler:
 
     def importance_sampling_cap(self, roll: Rollout) -> float | None:
         """The cap of the truncated importance weights when the engine sampled `roll` and the correction is on."""
+        if roll.logprobs is None:
+            return None
+        if self.kind == "own":
+            return self.sampling.importance_sampling_cap
         settings = self.engine.settings if self.engine is not None else None
-        if roll.logprobs is None or settings is None or not settings.importance_sampling_correction:
+        if settings is None or not settings.importance_sampling_correction:
             return None
         return settings.importance_sampling_cap
 
@@ -106,6 +115,8 @@ class Sampler:
         """The policy's weights were replaced (a checkpoint loaded): they reach the engine before its next rollout."""
         if self.engine is not None:
             self.engine.version = None
+        if self.copy is not None:
+            self.copy.version = None
 
     def _vllm_engine(self, version: int, rank: int) -> VllmEngine:
         """The colocated engine, built at the first rollout, serving the policy's weights of this version."""

@@ -45,8 +45,9 @@ def settle(config, subcommand: str) -> None:
     """Fit a command's parsed config (`trainer`, `model`) to this machine, in place.
 
     Refused: no model named (`model.base.name_or_path: null`, as the 3B configs ship); a GPU accelerator without a
-    GPU; `model.rollout_engine: vllm` under FSDP (the engine takes whole weights), or without vLLM installed, except in
-    `check`, which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions.
+    GPU; `model.rollout_engine: vllm` or `model.sampling.merged_copy` under FSDP (both take whole weights);
+    `model.rollout_engine: vllm` without vLLM installed, except in `check`, which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions;
+    a bfloat16 merged copy there is made float32.
     """
     trainer, model = config.trainer, config.model
     if model.base.name_or_path is None:  # a config that names no model (the 3B ones) makes the user name theirs
@@ -63,7 +64,17 @@ def settle(config, subcommand: str) -> None:
         warn(f"trainer.precision: {precision} needs a CPU with bf16 instructions (AVX512-BF16 or AMX); "
              "this one has none, so the run uses 32-true")  # fmt: skip
         trainer.precision = "32-true"
+    sampling = getattr(model, "sampling", None)
+    if on_cpu and getattr(sampling, "merged_copy", None) == "bfloat16" and not cpu_has_bf16():
+        warn("model.sampling.merged_copy: bfloat16 needs a CPU with bf16 instructions (AVX512-BF16 or AMX); "
+             "this one has none, so the copy is float32")  # fmt: skip
+        sampling.merged_copy = "float32"
     strategy = trainer.strategy if isinstance(trainer.strategy, str) else getattr(trainer.strategy, "class_path", "")
+    if getattr(sampling, "merged_copy", None) and "fsdp" in str(strategy).lower():
+        raise MachineError(
+            f"trainer.strategy {strategy!r} shards the weights, which model.sampling.merged_copy cannot merge: "
+            "run FSDP with --model.sampling.merged_copy null"
+        )
     if model.rollout_engine == "vllm" and "fsdp" in str(strategy).lower():
         raise MachineError(
             f"trainer.strategy {strategy!r} shards the weights, which the colocated vLLM engine cannot be handed: "

@@ -271,7 +271,7 @@ def test_long_grouped_rollout_with_the_in_place_cache_is_greedy_exact(make_modul
     tok = module.tokenizer
     enc = tok(["A: the first B: a second Interleave:", "A: x B: y z Interleave:"], return_tensors="pt", padding=True)
     ids, mask = enc.input_ids, enc.attention_mask
-    grouped, _, _ = sample(module.policy, ids, mask, num_generations=3, max_new_tokens=80, temperature=0.0,
+    grouped, *_ = sample(module.policy, ids, mask, num_generations=3, max_new_tokens=80, temperature=0.0,
                            stop_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
     reference = module.policy.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False,

@@ -29,7 +29,7 @@ def _sample(module, ids, mask, **kwargs):
 def test_greedy_matches_hf_generate_with_left_padding(tiny):
     module, ids, mask = tiny
     assert mask[1, 0] == 0, "the second prompt must be left-padded for this test to mean anything"
-    completion, _, _ = _sample(module, ids, mask)
+    completion, *_ = _sample(module, ids, mask)
     reference = module.policy.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
         pad_token_id=module.tokenizer.pad_token_id, eos_token_id=module.tokenizer.eos_token_id,
@@ -39,8 +39,8 @@ def test_greedy_matches_hf_generate_with_left_padding(tiny):
 
 def test_shared_prefill_gives_each_group_member_the_unshared_answer(tiny):
     module, ids, mask = tiny
-    alone, _, _ = _sample(module, ids, mask)
-    grouped, _, _ = _sample(module, ids, mask, num_generations=3)
+    alone, *_ = _sample(module, ids, mask)
+    grouped, *_ = _sample(module, ids, mask, num_generations=3)
     assert grouped.shape[0] == 6
     for g in range(3):
         assert torch.equal(grouped[g::3], alone)
@@ -51,8 +51,8 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy(tiny):
     draws = [_sample(module, ids, mask, num_generations=4, temperature=1.0, generator=torch.Generator().manual_seed(7))
              for _ in range(2)]  # fmt: skip
     assert torch.equal(draws[0][0], draws[1][0])
-    greedy, _, _ = _sample(module, ids, mask)
-    top1, _, _ = _sample(module, ids, mask, temperature=1.0, top_k=1)
+    greedy, *_ = _sample(module, ids, mask)
+    top1, *_ = _sample(module, ids, mask, temperature=1.0, top_k=1)
     assert torch.equal(top1, greedy)
 
 
@@ -74,7 +74,7 @@ def test_decoding_reads_back_from_the_device_once_every_check(tiny, monkeypatch)
 
         monkeypatch.setattr(torch.Tensor, name, counted)
     # a stop id never written: every row runs the whole budget of 80 steps, 10 checks at 8 steps each
-    completion, _, _ = _sample(module, ids, mask, max_new_tokens=80, stop_ids=[-1], check_every=8)
+    completion, *_ = _sample(module, ids, mask, max_new_tokens=80, stop_ids=[-1], check_every=8)
     assert completion.shape[1] == 80
     assert len(reads) <= 80 // 8 + 4  # the checks, plus a few around the loop (the prefill's mask, the results)
 
@@ -155,7 +155,7 @@ def test_greedy_matches_hf_generate_with_every_stop_id(family_policy):
     texts = [format_prompt(a, b, "compact", tok) for a, b in fragments]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
     ids, mask = enc.input_ids, enc.attention_mask
-    completion, completion_mask, truncated = sample(
+    completion, completion_mask, truncated, _ = sample(
         model, ids, mask, num_generations=1, max_new_tokens=8, temperature=0.0, stop_ids=stops,
         pad_token_id=tok.pad_token_id,
     )  # fmt: skip
@@ -173,7 +173,7 @@ def test_generation_stops_once_every_row_ended(tiny):
     eos = module.tokenizer.eos_token_id
     with torch.no_grad():  # make EOS the only possible token: every row ends at the first step
         module.policy.lm_head.weight[eos] += 1000.0
-    completion, completion_mask, truncated = _sample(module, ids, mask, max_new_tokens=50)
+    completion, completion_mask, truncated, _ = _sample(module, ids, mask, max_new_tokens=50)
     assert completion.shape[1] == 1 and completion_mask.sum() == 2 and not truncated.any()
 
 
@@ -232,7 +232,7 @@ def test_greedy_with_left_padding_and_retired_rows_matches_hf_generate(family, a
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
     ids, mask = enc.input_ids, enc.attention_mask
     assert (mask.sum(-1) < ids.shape[1]).sum() >= 2, "prompts of several lengths, left-padded"
-    completion, _, _ = sample(
+    completion, *_ = sample(
         model, ids, mask, num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=stops,
         pad_token_id=tok.pad_token_id, check_every=2,
     )  # fmt: skip

@@ -75,6 +75,24 @@ def test_bf16_on_a_cpu_with_bf16_is_kept(no_gpu, monkeypatch, capsys):
     assert config.trainer.precision == "bf16-mixed" and not _warnings(capsys)
 
 
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_a_bf16_merged_copy_on_a_cpu_without_bf16_is_float32_with_one_warning(has_bf16, no_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: has_bf16)
+    config = _config("cpu", "32-true")
+    config.model.sampling = Namespace(merged_copy="bfloat16")
+    settle(config, "fit")
+    assert config.model.sampling.merged_copy == ("bfloat16" if has_bf16 else "float32")
+    lines = _warnings(capsys)
+    assert lines == [] if has_bf16 else lines[0].startswith("warning: model.sampling.merged_copy: bfloat16 needs")
+
+
+def test_a_merged_copy_under_fsdp_is_refused_with_what_to_change():
+    config = _config(strategy="fsdp")
+    config.model.sampling = Namespace(merged_copy="float32")
+    with pytest.raises(MachineError, match="cannot merge: run FSDP with --model.sampling.merged_copy null"):
+        settle(config, "fit")
+
+
 @pytest.mark.parametrize("subcommand", ["fit", "validate", "test", "predict"])
 def test_the_vllm_engine_without_vllm_is_refused_with_what_to_change(subcommand, no_vllm):
     with pytest.raises(MachineError, match="vLLM is not installed.*--model.rollout_engine own"):

@@ -1,0 +1,121 @@
+"""A copy of the policy to sample the training rollout from: the adapter merged into the weights, in a chosen dtype.
+
+Under LoRA every adapted linear layer runs three matmuls and a handful of element-wise ops per decode step; merged,
+one. In bfloat16 a CPU with bf16 instructions (AVX512-BF16, AMX) reads half the bytes per step. The copy is a plain
+model of the base's architecture (no peft), outside the LightningModule (never saved, never synchronised by DDP),
+refreshed from the policy whenever its weights changed: each adapted layer's weight becomes `base + delta`, and
+every other trainable parameter is copied, computed out of place, so the policy's own weights are never touched.
+
+Decoding in bfloat16 with torch's scaled-dot-product attention is slow on a CPU (its bf16 kernel takes ~10x the
+float32 one for one query against a GQA cache), so the copy's one-query steps attend by `grouped_decode_attention`:
+two matmuls with each KV head's query heads side by side, no repeated KV. Longer queries (the prefill) and any
+attention with options it does not implement (soft-capping, sinks) go to transformers' SDPA as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from interleave_model.model.policy import is_peft
+
+GROUPED_DECODE = "grouped_decode"  # the attention implementation the copy runs under (masks built as for SDPA)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def grouped_decode_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """Attention of one query position per row against the cache, as transformers' attention functions are called.
+
+    query [B, H, 1, D], key / value [B, K, L, D] with H a multiple of K; `attention_mask` SDPA's boolean [B, 1, 1, L]
+    (True: attend) or None. Returns ([B, 1, H, D], None). Scores and softmax are float32 whatever the dtype.
+    """
+    unsupported = {name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None}
+    if query.shape[2] != 1 or dropout or unsupported:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # fmt: skip
+    b, h, _, d = query.shape
+    k = key.shape[1]
+    scale = d**-0.5 if scaling is None else scaling
+    grouped = query.reshape(b, k, h // k, d)  # query heads h*K/H .. of KV head k side by side: [B, K, H/K, D]
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # [B, K, H/K, L]
+    if attention_mask is not None:
+        mask = attention_mask[..., -1:, : key.shape[-2]]  # [B, 1, 1, L]
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
+    weights = scores.softmax(-1).to(value.dtype)
+    out = torch.matmul(weights, value)  # [B, K, H/K, D]
+    return out.reshape(b, 1, h, d), None
+
+
+AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
+AttentionMaskInterface.register(GROUPED_DECODE, sdpa_mask)
+
+
+class MergedCopy:
+    """The policy's weights, merged and cast to `dtype`, in a model that only samples.
+
+    Args:
+        policy: The policy, LoRA-wrapped (peft) or not.
+        dtype: "float32" or "bfloat16".
+    """
+
+    def __init__(self, policy: torch.nn.Module, dtype: str) -> None:
+        self.dtype = DTYPES[dtype]
+        with torch.no_grad():
+            model = copy.deepcopy(policy)
+            model = model.merge_and_unload() if is_peft(model) else model
+        self.model = model.to(self.dtype).eval().requires_grad_(False)
+        self.model.set_attn_implementation(GROUPED_DECODE)
+        self.version: object = None  # the policy's weights the copy holds (the module's global step)
+        self._sources = _sources(policy, self.model)
+
+    @torch.no_grad()
+    def refresh(self, version: object) -> torch.nn.Module:
+        """The copy, holding the policy's weights of `version` (merged and cast again only when it changed)."""
+        if version != self.version or version is None:
+            for target, weight in self._sources:
+                target.copy_(weight())
+            self.version = version
+        return self.model
+
+
+def _sources(policy: torch.nn.Module, merged: torch.nn.Module) -> list[tuple[Tensor, Callable[[], Tensor]]]:
+    """(a parameter of the copy, a function giving its value from the policy) for every weight training can change:
+    each adapted layer's `base + delta`, and every other parameter that requires a gradient."""
+    from peft.tuners.lora import LoraLayer
+
+    source = policy.get_base_model() if is_peft(policy) else policy
+    params = dict(merged.named_parameters(remove_duplicate=False))
+    pairs = []
+    for name, module in source.named_modules():
+        if isinstance(module, LoraLayer):
+            pairs.append((params[f"{name}.weight"], lambda m=module: _merged_weight(m)))
+    for name, parameter in source.named_parameters():
+        if parameter.requires_grad and "lora_" not in name:
+            pairs.append((params[name.replace(".base_layer.", ".")], lambda p=parameter: p))
+    return pairs
+
+
+def _merged_weight(layer) -> Tensor:
+    """An adapted linear layer's weight with its active adapters' deltas added (out of place)."""
+    weight = layer.get_base_layer().weight
+    if layer.merged:  # someone merged the adapter into the base already
+        return weight
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A:
+            weight = weight + layer.get_delta_weight(adapter)
+    return weight

@@ -1,0 +1,125 @@
+"""The merged copy the training rollout may sample from: the policy's distribution, its weights kept up to date, its
+one-query attention equal to SDPA's, and its samples' log-probs recorded and corrected in the update."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
+from interleave_model.generation.rollout import sample
+from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
+from interleave_model.settings import LoraSettings, Sampling, SettingsError
+
+
+@pytest.fixture(params=["llama3", "qwen2"])
+def lora_policy(request, family_folders):
+    """A real-family folder loaded from disk (GQA in the Llama-3 one) with a LoRA adapter whose B is not zero (as after
+    training)."""
+    model, tok = load_pretrained(str(family_folders[request.param]), dtype="float32")
+    with torch.no_grad():  # the fixtures' random logits are peaked (log-probs 0.0): spread them to be sampled
+        model.model.norm.weight.mul_(0.05)
+    policy = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    prompts = tok(["the cat sat on", "a"], return_tensors="pt", padding=True, padding_side="left")
+    return policy, tok, prompts
+
+
+def _prompt_logprobs(model, prompts) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=prompts.input_ids, attention_mask=prompts.attention_mask).logits.float()
+    return logits.log_softmax(-1)[prompts.attention_mask.bool()]  # [real tokens, V]
+
+
+def test_a_float32_copy_is_the_policy_and_follows_its_updates(lora_policy):
+    policy, tok, prompts = lora_policy
+    copy = MergedCopy(policy, "float32")
+    model = copy.refresh(version=0)
+    assert not any("lora_" in name for name, _ in model.named_parameters())  # merged: a plain model
+    torch.testing.assert_close(_prompt_logprobs(model, prompts), _prompt_logprobs(policy, prompts), atol=1e-4, rtol=0)
+    base = {name: p.clone() for name, p in policy.named_parameters() if "lora_" not in name}
+    with torch.no_grad():  # an update moves the adapter
+        for name, parameter in policy.named_parameters():
+            if "lora_A" in name:
+                parameter.add_(0.1)
+    assert copy.refresh(version=0) is model
+    assert not torch.allclose(_prompt_logprobs(model, prompts), _prompt_logprobs(policy, prompts), atol=1e-3)
+    copy.refresh(version=1)  # a new version: merged again
+    torch.testing.assert_close(_prompt_logprobs(model, prompts), _prompt_logprobs(policy, prompts), atol=1e-4, rtol=0)
+    for name, parameter in policy.named_parameters():  # merged out of place: the policy's base is untouched
+        if name in base:
+            assert torch.equal(parameter, base[name]), name
+
+
+def test_a_float32_copy_samples_what_the_policy_samples_with_its_log_probs(lora_policy):
+    policy, tok, prompts = lora_policy
+    model = MergedCopy(policy, "float32").refresh(version=0)
+    stops = stop_token_ids(policy, tok)
+    kwargs = {"num_generations": 3, "max_new_tokens": 12, "stop_ids": stops, "pad_token_id": tok.pad_token_id or 0,
+              "temperature": 0.8, "with_logprobs": True}  # fmt: skip
+    ids, mask, _, logprobs = sample(policy, prompts.input_ids, prompts.attention_mask, **kwargs,
+                                    generator=torch.Generator().manual_seed(0))  # fmt: skip
+    copy_ids, copy_mask, _, copy_logprobs = sample(model, prompts.input_ids, prompts.attention_mask, **kwargs,
+                                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+    assert torch.equal(copy_ids, ids) and torch.equal(copy_mask, mask)
+    torch.testing.assert_close(copy_logprobs, logprobs, atol=1e-4, rtol=0)
+    # the recorded log-probs are the policy's own scores of its tokens at the temperature, 0 after the stop
+    sequence = torch.cat([prompts.input_ids.repeat_interleave(3, 0), ids], dim=1)
+    attention = torch.cat([prompts.attention_mask.repeat_interleave(3, 0), mask], dim=1)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = policy(input_ids=sequence, attention_mask=attention, position_ids=positions).logits.float()
+    width = ids.shape[1]
+    scored = (logits[:, -width - 1 : -1] / 0.8).log_softmax(-1).gather(-1, ids[..., None])[..., 0] * mask
+    torch.testing.assert_close(logprobs, scored, atol=1e-4, rtol=0)
+    assert (logprobs[mask == 0] == 0).all() and (logprobs[mask == 1] < 0).all()
+
+
+def test_a_bfloat16_copy_is_close_to_the_policy(lora_policy):
+    policy, _, prompts = lora_policy
+    model = MergedCopy(policy, "bfloat16").refresh(version=0)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in policy.parameters())  # the policy stays as it was
+    gap = (_prompt_logprobs(model, prompts) - _prompt_logprobs(policy, prompts)).abs().max()
+    assert 0 < gap < 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_decode_attention_is_sdpa_with_grouped_query_heads(dtype):
+    torch.manual_seed(0)
+    query, key, value = (torch.randn(4, h, n, 16, dtype=dtype) for h, n in ((6, 1), (2, 9), (2, 9)))
+    mask = torch.ones(4, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :3] = False  # left padding of row 0
+    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
+                                              scale=0.3, enable_gqa=True).transpose(1, 2)  # fmt: skip
+    module = torch.nn.Module()
+    for attention_mask in (mask, None):
+        out, weights = grouped_decode_attention(module, query, key, value, attention_mask, scaling=0.3)
+        assert out.shape == (4, 1, 6, 16) and weights is None and out.dtype == dtype
+        if attention_mask is None:
+            expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.3,
+                                                      enable_gqa=True).transpose(1, 2)  # fmt: skip
+        torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(make_module, make_datamodule):
+    from tests.conftest import fit_one_grpo_step
+
+    module = make_module(lora=LoraSettings(r=4, alpha=8, dropout=0.0), beta=0.0, num_generations=4,
+                         merged_copy="float32", importance_sampling_cap=2.0)  # fmt: skip
+    trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
+    metrics = trainer.callback_metrics
+    assert module.sampler.copy is not None and module.sampler.copy.version == 0  # sampled the first step's weights
+    assert 0 <= metrics["train/engine_logprob_gap"] < 1e-4  # float32: the same distribution up to rounding
+    assert not any(name.startswith("sampler") for name in module.state_dict())  # the copy is never saved
+
+
+def test_merged_copy_settings_are_checked():
+    with pytest.raises(SettingsError, match="model.sampling.merged_copy"):
+        Sampling(merged_copy="float16")
+    with pytest.raises(SettingsError, match="model.sampling.importance_sampling_cap"):
+        Sampling(importance_sampling_cap=0.5)
