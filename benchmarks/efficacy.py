@@ -151,6 +151,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()],
         guidance=args.guidance, guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
         reference_in_group=args.reference_in_group, shaping_gamma=args.shaping_gamma,
+        merged_copy=args.merged_copy, importance_sampling_cap=args.importance_sampling_cap,
     )  # fmt: skip
     return InterleaveGRPO(**grouped_hparams(kwargs | overrides))  # flat names, grouped as settings name them
 
@@ -313,6 +314,9 @@ def main() -> None:
     parser.add_argument("--hint-pairs", type=int, default=0, help="data.hints.pairs: the answer's first pairs")
     parser.add_argument("--hint-decay-steps", type=int, default=0, help="data.hints.decay_steps")
     parser.add_argument("--num-iterations", type=int, default=1, help="updates per rollout")
+    parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], help="model.sampling.merged_copy")
+    parser.add_argument("--importance-sampling-cap", type=float, default=None,
+                        help="model.sampling.importance_sampling_cap")  # fmt: skip
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per GRPO step")

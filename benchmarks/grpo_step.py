@@ -201,7 +201,9 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
         lora=LoraSettings(r=args.lora_r) if args.lora else None,
         rollout_engine=args.rollout_engine,
         vllm=VllmSettings(kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 2**20),
-        sampling=Sampling(num_generations=args.generations, max_new_tokens=args.max_new_tokens),
+        sampling=Sampling(
+            num_generations=args.generations, max_new_tokens=args.max_new_tokens, merged_copy=args.merged_copy
+        ),
         loss=Loss(beta=args.beta),
         optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
     )
@@ -240,6 +242,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the automatic budget, as training")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="model.rollout_engine")
+    parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], help="model.sampling.merged_copy")
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM's KV cache (MiB); default: its share")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="precision bf16-mixed (GPU)")
@@ -286,6 +289,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts,
         "generations": args.generations,
         "lora": args.lora,
+        "merged_copy": args.merged_copy,
         "beta": args.beta,
         "steps": args.steps,
         "warmup": args.warmup,

@@ -83,6 +83,7 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
         if args.rollout_engine == "vllm":
             extra += ["--kv-cache-mb", str(args.kv_cache_mb)]
         extra += ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
+        extra += ["--merged-copy", args.merged_copy] if args.merged_copy else []
         return [sys.executable, str(HERE / "grpo_step.py"), *shared, *extra]
     return [sys.executable, str(HERE / "vs_trl.py"), "--trl-worker", str(workdir / f"prompts_{words}.jsonl"), *shared]
 
@@ -197,6 +198,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank in both (all linear layers); 0: all weights")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget; default: budget(words)")
     parser.add_argument("--pairs", type=int, default=64, help="training pairs per length")
+    parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
+                        help="ours: model.sampling.merged_copy")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="ours: model.rollout_engine")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="ours with vLLM: its KV cache, MiB")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="ours: rows per update forward")
@@ -271,7 +274,11 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts,
         "generations": args.generations,
         "beta": args.beta,
-        "ours": {"rollout_engine": args.rollout_engine, "micro_batch_size": args.micro_batch_size}
+        "ours": {
+            "rollout_engine": args.rollout_engine,
+            "micro_batch_size": args.micro_batch_size,
+            "merged_copy": args.merged_copy,
+        }
         | ({"kv_cache_mb": args.kv_cache_mb} if args.rollout_engine == "vllm" else {}),
         "rounds": args.rounds,
         "steps": args.steps,
