@@ -8,6 +8,9 @@ One batch of `--rows` rows (prompts of `--prompt-tokens` tokens, `--rows / --gen
 - `merged`: the adapter merged into the base weights for the rollout (`merge_adapter`, then `unmerge_adapter`; the
   two are timed in), and `merged_max_logit_diff`, the largest logit difference from `lora` on the prompt's forward;
 - `base`: the base model alone (`disable_adapter`), the floor of any way of running the adapter;
+- `copy_float32`, `copy_bfloat16`: the sampler's merged copy (`model.sampling.merged_copy`, its `grouped_decode`
+  attention), and `copy_kl`, the mean KL divergence (nats per token) of each copy's next-token distribution from the
+  model's over the prompt's positions: the policy mismatch its rollout brings;
 - `int8` (`--int8`, CPU): a copy with the adapter merged and every decoder linear layer dynamically quantized to int8
   (per-channel weights, `torch.ao.quantization.quantize_dynamic`), and `int8_kl`, the mean KL divergence (nats per
   token) of its next-token distribution from the model's, over the prompt's positions: the policy mismatch such a
@@ -85,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from peft import LoraConfig, get_peft_model
 
+    from interleave_model.generation.merged_copy import MergedCopy
     from interleave_model.generation.rollout import sample
     from interleave_model.model.policy import load_pretrained
     from interleave_model.model.shipped import resolve_model
@@ -171,6 +175,14 @@ def main(argv: list[str] | None = None) -> dict:
         "merged_max_logit_diff": round(float((lora_logits - merged_logits).abs().max()), 5),
         "logit_scale": round(float(lora_logits.abs().max()), 3),
     }
+    for dtype in ("float32", "bfloat16"):  # the sampler's merged copy (`model.sampling.merged_copy`)
+        copy = MergedCopy(model, dtype).refresh(version=0)
+        record["ms_per_step"][f"copy_{dtype}"] = timed(lambda copy=copy: rollout(copy))
+        with torch.no_grad():
+            p = lora_logits.log_softmax(-1)
+            q = copy(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float().log_softmax(-1)
+        record.setdefault("copy_kl", {})[dtype] = round(float((p.exp() * (p - q)).sum(-1).mean()), 6)
+        del copy
     if args.int8 and device == "cpu":
         quantized = int8_copy(model)
         record["ms_per_step"]["int8"] = timed(lambda: rollout(quantized))

@@ -18,8 +18,10 @@ def test_every_variant_is_timed_and_the_merged_adapter_scores_alike():
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
     record = json.loads(line)
-    assert set(record["ms_per_step"]) == {"lora", "lora_no_autocast", "merged", "base", "int8"}
+    assert set(record["ms_per_step"]) == {"lora", "lora_no_autocast", "merged", "base", "int8", "copy_float32",
+                                          "copy_bfloat16"}  # fmt: skip
     assert record["int8_kl"] >= 0
+    assert 0 <= record["copy_kl"]["float32"] < 1e-5 and record["copy_kl"]["bfloat16"] >= 0
     assert all(ms > 0 for ms in record["ms_per_step"].values())
     assert record["rows"] == 4 and record["new_tokens"] == 4 and record["dtype"] == "float32"
     assert record["logit_scale"] > 0 and record["merged_max_logit_diff"] < 1e-3 * max(record["logit_scale"], 1.0)

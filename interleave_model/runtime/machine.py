@@ -46,8 +46,8 @@ def settle(config, subcommand: str) -> None:
 
     Refused: no model named (`model.base.name_or_path: null`, as the 3B configs ship); a GPU accelerator without a
     GPU; `model.rollout_engine: vllm` or `model.sampling.merged_copy` under FSDP (both take whole weights);
-    `model.rollout_engine: vllm` without vLLM installed, except in `check`, which then answers with the own sampler. Turned off: bf16 precision on a CPU without bf16 instructions;
-    a bfloat16 merged copy there is made float32.
+    `model.rollout_engine: vllm` without vLLM installed, except in `check`, which then answers with the own sampler.
+    Turned off: bf16 precision on a CPU without bf16 instructions; a bfloat16 merged copy there is made float32.
     """
     trainer, model = config.trainer, config.model
     if model.base.name_or_path is None:  # a config that names no model (the 3B ones) makes the user name theirs
