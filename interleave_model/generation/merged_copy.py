@@ -79,7 +79,10 @@ class MergedCopy:
             model = copy.deepcopy(policy)
             model = model.merge_and_unload() if is_peft(model) else model
         self.model = model.to(self.dtype).eval().requires_grad_(False)
-        self.model.set_attn_implementation(GROUPED_DECODE)
+        try:
+            self.model.set_attn_implementation(GROUPED_DECODE)
+        except ValueError:  # an architecture transformers does not run with custom attention keeps its own
+            pass
         self.version: object = None  # the policy's weights the copy holds (the module's global step)
         self._sources = _sources(policy, self.model)
 

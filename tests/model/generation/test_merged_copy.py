@@ -7,20 +7,22 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
 from interleave_model.generation.rollout import sample
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
 from interleave_model.settings import LoraSettings, Sampling, SettingsError
 
 
-@pytest.fixture(params=["llama3", "qwen2"])
+@pytest.fixture(params=["llama3", "qwen2", "gpt2"])
 def lora_policy(request, family_folders):
-    """A real-family folder loaded from disk (GQA in the Llama-3 one) with a LoRA adapter whose B is not zero (as after
-    training)."""
+    """A real-family folder loaded from disk (GQA in the Llama-3 one, Conv1D layers in GPT-2's) with a LoRA adapter
+    whose B is not zero (as after training)."""
     model, tok = load_pretrained(str(family_folders[request.param]), dtype="float32")
     with torch.no_grad():  # the fixtures' random logits are peaked (log-probs 0.0): spread them to be sampled
-        model.model.norm.weight.mul_(0.05)
-    policy = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0))
+        final_norm = model.transformer.ln_f if hasattr(model, "transformer") else model.model.norm  # GPT-2 / others
+        final_norm.weight.mul_(0.05)
+    policy = apply_lora(model, LoraSettings(r=4, alpha=8, dropout=0.0)).eval()  # GPT-2 has dropout layers
     with torch.no_grad():
         for name, parameter in policy.named_parameters():
             if "lora_B" in name:
@@ -67,15 +69,12 @@ def test_a_float32_copy_samples_what_the_policy_samples_with_its_log_probs(lora_
                                                    generator=torch.Generator().manual_seed(0))  # fmt: skip
     assert torch.equal(copy_ids, ids) and torch.equal(copy_mask, mask)
     torch.testing.assert_close(copy_logprobs, logprobs, atol=1e-4, rtol=0)
-    # the recorded log-probs are the policy's own scores of its tokens at the temperature, 0 after the stop
+    # the recorded log-probs are the trainer's scores of the tokens (the update's function) at the temperature
     sequence = torch.cat([prompts.input_ids.repeat_interleave(3, 0), ids], dim=1)
     attention = torch.cat([prompts.attention_mask.repeat_interleave(3, 0), mask], dim=1)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = policy(input_ids=sequence, attention_mask=attention, position_ids=positions).logits.float()
-    width = ids.shape[1]
-    scored = (logits[:, -width - 1 : -1] / 0.8).log_softmax(-1).gather(-1, ids[..., None])[..., 0] * mask
-    torch.testing.assert_close(logprobs, scored, atol=1e-4, rtol=0)
+        scored, _ = completion_logprobs(policy, sequence, attention, ids, 0.8, group_size=3)
+    torch.testing.assert_close(logprobs, scored * mask, atol=1e-4, rtol=0)
     assert (logprobs[mask == 0] == 0).all() and (logprobs[mask == 1] < 0).all()
 
 
