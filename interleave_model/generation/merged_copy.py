@@ -74,11 +74,10 @@ class MergedCopy:
     """
 
     def __init__(self, policy: torch.nn.Module, dtype: str) -> None:
-        self.dtype = DTYPES[dtype]
         with torch.no_grad():
             model = copy.deepcopy(policy)
             model = model.merge_and_unload() if is_peft(model) else model
-        self.model = model.to(self.dtype).eval().requires_grad_(False)
+        self.model = model.to(DTYPES[dtype]).eval().requires_grad_(False)
         try:
             self.model.set_attn_implementation(GROUPED_DECODE)
         except ValueError:  # an architecture transformers does not run with custom attention keeps its own

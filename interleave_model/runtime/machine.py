@@ -70,12 +70,13 @@ def settle(config, subcommand: str) -> None:
              "this one has none, so the copy is float32")  # fmt: skip
         sampling.merged_copy = "float32"
     strategy = trainer.strategy if isinstance(trainer.strategy, str) else getattr(trainer.strategy, "class_path", "")
-    if getattr(sampling, "merged_copy", None) and "fsdp" in str(strategy).lower():
+    sharded = "fsdp" in str(strategy).lower()
+    if getattr(sampling, "merged_copy", None) and sharded:
         raise MachineError(
             f"trainer.strategy {strategy!r} shards the weights, which model.sampling.merged_copy cannot merge: "
             "run FSDP with --model.sampling.merged_copy null"
         )
-    if model.rollout_engine == "vllm" and "fsdp" in str(strategy).lower():
+    if model.rollout_engine == "vllm" and sharded:
         raise MachineError(
             f"trainer.strategy {strategy!r} shards the weights, which the colocated vLLM engine cannot be handed: "
             "run FSDP with --model.rollout_engine own, or vLLM with --trainer.strategy ddp"
