@@ -51,21 +51,35 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--template", default="compact", help="prompt template (configs/smollm2.yaml's)")
+    parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
+                        help="the rollout from a merged copy of this dtype; its floor in it")  # fmt: skip
+    parser.add_argument("--bf16", action="store_true", help="the update under bf16-mixed; its floor in bfloat16")
+    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward")
     ours = parser.parse_args(argv)
+    levers = (["--lora"] if ours.lora else []) + (["--bf16"] if ours.bf16 else [])
+    levers += ["--merged-copy", ours.merged_copy] if ours.merged_copy else []
+    levers += ["--micro-batch-size", str(ours.micro_batch_size)] if ours.micro_batch_size else []
     step = parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
                        "--prompts", str(ours.prompts), "--generations", str(ours.generations), "--beta",
                        str(ours.beta), "--model", ours.model, "--threads", str(ours.threads), "--template",
-                       ours.template] + (["--lora"] if ours.lora else []))  # fmt: skip
+                       ours.template, *levers])  # fmt: skip
     return ours, step
 
 
-def matmul_rate(rows: int, inner: int, outer: int, repeats: int = 5) -> float:
-    """float32 FLOP/s of `[rows, inner] @ [inner, outer]` at torch's thread count: the median of `repeats` timings,
+def phase_dtypes(args: argparse.Namespace) -> dict[str, str]:
+    """The dtype each phase's matmuls run in: the rollout's the merged copy's (else float32), the update's bfloat16
+    under `--bf16`."""
+    return {"rollout": args.merged_copy or "float32", "update": "bfloat16" if args.bf16 else "float32"}
+
+
+def matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", repeats: int = 5) -> float:
+    """FLOP/s of `[rows, inner] @ [inner, outer]` in `dtype` at torch's thread count: the median of `repeats` timings,
     each long enough to time (at least 0.2 s of products). With one thread it is timed in CPU time (`clock`)."""
     import torch
 
     clock = _clock()
-    a, b = torch.randn(rows, inner), torch.randn(inner, outer)
+    kind = getattr(torch, dtype)
+    a, b = torch.randn(rows, inner, dtype=kind), torch.randn(inner, outer, dtype=kind)
     flops = 2 * rows * inner * outer
     calls = max(1, int(2e8 // flops) + 1)
     a @ b  # warm-up
@@ -120,9 +134,11 @@ def shape_of(policy) -> dict[str, int]:
     }
 
 
-def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: float, lora: bool, beta: float) -> dict:
+def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: float, lora: bool, beta: float,
+              rollout_bytes_per_weight: float = 4.0) -> dict:  # fmt: skip
     """FLOPs and bytes of one GRPO step's rollout and update (the module docstring's count). `prompt` is a prompt's
-    tokens, `completion` the mean completion length over the rows (through the stop token)."""
+    tokens, `completion` the mean completion length over the rows (through the stop token); a rollout from a bfloat16
+    copy reads 2 bytes a weight (`shape["weight_bytes"]` counts the policy's float32)."""
     n, h, attention = shape["linear_weights"], shape["head_weights"], 4 * shape["hidden"] * shape["layers"]
     prefill = groups * prompt * (2 * n + attention * prompt / 2)
     decode = rows * completion * (2 * n + 2 * h + attention * (prompt + completion / 2))
@@ -131,7 +147,7 @@ def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: fl
     backward = forward if lora else 2 * forward
     return {
         "rollout_flops": prefill + decode,
-        "rollout_bytes": completion * shape["weight_bytes"],  # the weights once per decode step
+        "rollout_bytes": completion * shape["weight_bytes"] * rollout_bytes_per_weight / 4,  # weights once a step
         "update_flops": forward + backward + (forward if beta > 0 else 0.0),
         "update_bytes": 3 * shape["weight_bytes"],
     }
@@ -160,18 +176,20 @@ def main(argv: list[str] | None = None) -> dict:
             return trajectory, stats
 
         module.generate_trajectory = counted
-        quiet_trainer("cpu", None, args.warmup + args.steps).fit(module, datamodule=data)
+        precision = "bf16-mixed" if args.bf16 else None
+        quiet_trainer("cpu", precision, args.warmup + args.steps).fit(module, datamodule=data)
         measured = summarize([*records, mark()], args.warmup, None)
     shape = shape_of(module.policy)
     rows = args.prompts * args.generations
     prompt = statistics.mean(p for p, _ in seen[args.warmup :])
     completion = statistics.mean(c for _, c in seen[args.warmup :])
-    work = step_work(shape, args.prompts, rows, prompt, completion, args.lora, args.beta)
+    dtypes = phase_dtypes(args)
+    per_weight = 2.0 if dtypes["rollout"] == "bfloat16" else 4.0
+    work = step_work(shape, args.prompts, rows, prompt, completion, args.lora, args.beta, per_weight)
+    update_rows = int(args.prompts * prompt + rows * completion)
     rates = {
-        "rollout_matmul_flops_per_s": matmul_rate(rows, shape["hidden"], shape["intermediate"]),
-        "update_matmul_flops_per_s": matmul_rate(
-            int(args.prompts * prompt + rows * completion), shape["hidden"], shape["intermediate"]
-        ),
+        "rollout_matmul_flops_per_s": matmul_rate(rows, shape["hidden"], shape["intermediate"], dtypes["rollout"]),
+        "update_matmul_flops_per_s": matmul_rate(update_rows, shape["hidden"], shape["intermediate"], dtypes["update"]),
         "bandwidth_bytes_per_s": bandwidth(),
     }
     floor = {
@@ -191,6 +209,10 @@ def main(argv: list[str] | None = None) -> dict:
         "generations": args.generations,
         "lora": args.lora,
         "beta": args.beta,
+        "merged_copy": args.merged_copy,
+        "micro_batch_size": args.micro_batch_size,
+        "precision": "bf16-mixed" if args.bf16 else "32-true",
+        "matmul_dtype": dtypes,
         "prompt_tokens": round(prompt, 1),
         "completion_tokens": round(completion, 1),
         "shape": shape,

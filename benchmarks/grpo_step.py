@@ -245,7 +245,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], help="model.sampling.merged_copy")
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM's KV cache (MiB); default: its share")
     parser.add_argument("--gradient-checkpointing", action="store_true")
-    parser.add_argument("--bf16", action="store_true", help="precision bf16-mixed (GPU)")
+    parser.add_argument("--bf16", action="store_true", help="precision bf16-mixed (GPU, or CPU with bf16)")
     parser.add_argument("--accelerator", default="cpu", help='"cpu" or "gpu"')
     parser.add_argument("--template", default="compact", help="prompt template (compact, as in the CPU demo)")
     parser.add_argument("--pairs", type=int, default=64, help="training pairs built per length")

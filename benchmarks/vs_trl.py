@@ -3,11 +3,12 @@
 Same model (the embedded tiny Llama, built once and saved to a temporary folder that both load offline, all weights
 trained), same data (the training pairs of each length in the same prompt template), same group (4 prompts x 8
 completions), same token budget, same loss settings (beta 0.04, epsilon 0.2, "grpo" loss, group-scaled rewards, one
-update per rollout, lr 1e-4 constant, clip norm 1.0, fp32, no gradient checkpointing, temperature 1). Every
-measurement runs in a process of its own, so one framework's imports and allocations never count against the other,
-and the order of the two alternates from round to round. Figures are medians over rounds; `ratios` are ours / TRL's
-(tokens per second: higher is better; peak and working RSS: lower is better). The machine's other load shows in
-`spread`; on a shared machine pass `--threads 1` and read `tokens_per_cpu_s`, which waiting for a core does not move.
+update per rollout, lr 1e-4 constant, clip norm 1.0, fp32 (`--bf16`: bf16 autocast in both), no gradient
+checkpointing, temperature 1). Every measurement runs in a process of its own, so one framework's imports and
+allocations never count against the other, and the order of the two alternates from round to round. Figures are
+medians over rounds; `ratios` are ours / TRL's (tokens per second: higher is better; peak and working RSS: lower is
+better). The machine's other load shows in `spread`; on a shared machine pass `--threads 1` and read
+`tokens_per_cpu_s`, which waiting for a core does not move.
 
     pip install -e ".[bench]"
     python benchmarks/vs_trl.py [--words 10 50] [--rounds 2] [--steps 4] [--warmup 1] [--threads N]
@@ -76,6 +77,7 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
                 "generations": args.generations, "model": folder, "threads": args.threads,
                 "max-new-tokens": tokens(args, words), "lora-r": args.lora_r or None}  # fmt: skip
     shared = [item for key, value in settings.items() if value is not None for item in (f"--{key}", str(value))]
+    shared += ["--bf16"] if args.bf16 else []
     if framework == "ours":
         extra = ["--template", args.template, "--pairs", str(args.pairs), "--dtype", "float32"]
         extra += ["--lora"] if args.lora_r else []
@@ -158,7 +160,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
             top_p=1.0,
             top_k=0,
             gradient_checkpointing=False,  # TRL's default is on; this project's is off
-            bf16=False,  # TRL's default is on; CPU fp32 for both
+            bf16=args.bf16,  # TRL's default is on; fp32 for both unless --bf16 (bf16 autocast for both)
             use_cpu=True,
             seed=0,
             logging_steps=1,
@@ -200,6 +202,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--pairs", type=int, default=64, help="training pairs per length")
     parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
                         help="ours: model.sampling.merged_copy")  # fmt: skip
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 autocast in both: ours precision bf16-mixed, TRL's bf16=True")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="ours: model.rollout_engine")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="ours with vLLM: its KV cache, MiB")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="ours: rows per update forward")
@@ -274,6 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
         "prompts": args.prompts,
         "generations": args.generations,
         "beta": args.beta,
+        "precision": "bf16-mixed" if args.bf16 else "32-true",
         "ours": {
             "rollout_engine": args.rollout_engine,
             "micro_batch_size": args.micro_batch_size,

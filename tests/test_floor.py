@@ -47,3 +47,17 @@ def test_on_the_tiny_model_the_floor_lies_below_the_measured_step():
     assert all(record["gflop"][phase] > 0 for phase in ("rollout", "update"))
     assert all(0 < record["share"][phase] < 1 for phase in ("rollout", "update", "step")), record["share"]
     assert record["command"].startswith("python benchmarks/floor.py") and record["commit"]
+
+
+def test_each_phase_is_floored_in_the_dtype_it_runs_in_and_the_step_gets_the_levers():
+    ours, step = floor.parse(["--merged-copy", "bfloat16", "--bf16", "--micro-batch-size", "8"])
+    assert floor.phase_dtypes(ours) == {"rollout": "bfloat16", "update": "bfloat16"}
+    assert (step.merged_copy, step.bf16, step.micro_batch_size) == ("bfloat16", True, 8)
+    plain, plain_step = floor.parse([])
+    assert floor.phase_dtypes(plain) == {"rollout": "float32", "update": "float32"}
+    assert (plain_step.merged_copy, plain_step.bf16) == (None, False)
+    fp32 = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0)
+    bf16 = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0,
+                           rollout_bytes_per_weight=2.0)  # fmt: skip
+    assert bf16["rollout_bytes"] == fp32["rollout_bytes"] / 2  # a bfloat16 copy reads half the bytes
+    assert bf16["rollout_flops"] == fp32["rollout_flops"]
