@@ -14,7 +14,7 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from interleave_model.algorithm.completions import completion_logprobs, fused_head
-from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
+from interleave_model.algorithm.logprobs import head_chunk_rows, head_token_logprobs, token_entropy, token_logprobs
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import _draw, _uniform, sample, token_budget
 from interleave_model.model.policy import LoraSettings, TinyModelConfig, apply_lora
@@ -224,6 +224,13 @@ def test_fused_head_matches_the_logits_path_in_value_and_gradient():
     torch.testing.assert_close(entropy, token_entropy(logits.detach(), 0.7)[0])
     grads = torch.autograd.grad((fused * grad).sum(), (hidden, weight))
     torch.testing.assert_close(grads, torch.autograd.grad((plain * grad).sum(), (hidden, weight)))
+
+
+def test_the_fused_heads_cpu_chunks_hold_at_least_128_rows_and_4_mib_on_a_small_vocabulary():
+    assert head_chunk_rows(49152, "cpu") == 128  # SmolLM2's head: 4 MiB would be 21 rows, each reading the weight
+    assert head_chunk_rows(128256, "cpu") == 128
+    assert head_chunk_rows(1000, "cpu") == 2**20 // 1000  # a small vocabulary's 4 MiB chunk is already larger
+    assert head_chunk_rows(128256, "cuda") == 2**26 // 128256
 
 
 def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_module):
