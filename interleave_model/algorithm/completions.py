@@ -8,6 +8,7 @@ completion tokens, ``V`` vocabulary, ``H`` hidden size.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
@@ -44,8 +45,19 @@ def completion_logprobs(
 
     `group_size` G > 1 says that rows come in groups of G with one prompt (a GRPO rollout): when they really do, each
     prompt goes through the decoder once and its keys and values serve the G completions (`completion_hidden`).
+
+    Columns past every row's completion (a micro-batch of rows that stopped before the batch's longest) are cut
+    before the forward and given 0 after it: a causal model's values at the others are the same without them.
     """
     width = completion_ids.shape[1]
+    used = used_width(attention_mask[:, -width:])
+    if used < width:  # the cut columns are masked in every row: log-probs and entropies 0 there
+        cut = width - used
+        logprobs, entropy = completion_logprobs(
+            model, input_ids[:, :-cut], attention_mask[:, :-cut], completion_ids[:, :used], temperature,
+            with_entropy=with_entropy, group_size=group_size,
+        )  # fmt: skip
+        return F.pad(logprobs, (0, cut)), None if entropy is None else F.pad(entropy, (0, cut))
     head = fused_head(model)
     if head is None:
         logits = completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
@@ -101,6 +113,12 @@ def completion_hidden(
     ).last_hidden_state  # [N, C-1, H]
     last = prefix.last_hidden_state[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, H]: predicts the first token
     return torch.cat([last, rest], dim=1)  # [N, C, H]
+
+
+def used_width(completion_mask: Tensor) -> int:
+    """Columns up to the last one any row's completion uses (right-padded completions): at least 1."""
+    used = completion_mask.any(dim=0).nonzero()
+    return max(1, int(used[-1]) + 1) if used.numel() else 1
 
 
 def shares_prompts(input_ids: Tensor, attention_mask: Tensor, width: int, group_size: int) -> bool:

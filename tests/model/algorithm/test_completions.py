@@ -99,3 +99,31 @@ def test_rows_whose_prompts_differ_within_a_group_take_the_full_forward(family):
     full, _ = completion_logprobs(model, input_ids, attention_mask, completion, 1.0)
     grouped, _ = completion_logprobs(model, input_ids, attention_mask, completion, 1.0, group_size=2)
     torch.testing.assert_close(grouped, full)
+
+
+def test_columns_past_every_rows_completion_are_cut_before_the_forward(family):
+    _, folder = family
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    input_ids = torch.randint(0, 1000, (4, 11))  # [N, Lp+C], C = 6
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[:, -2:] = 0  # every row stopped by its 4th completion token: 2 columns no row uses
+    attention_mask[1, -3:] = 0
+    completion = input_ids[:, -6:]
+    keep = attention_mask[:, -6:].bool()
+    lengths = []  # the token columns each decoder forward saw (GPT-2's model passes them by position)
+    model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append(kwargs.get("input_ids", args[0] if args else None).shape[1]),
+        with_kwargs=True,
+    )
+    cut, cut_entropy = completion_logprobs(model, input_ids, attention_mask, completion, 0.7, with_entropy=True)
+    assert lengths == [11 - 2]  # the decoder saw the 4 used completion columns, not 6
+    # the same rows with the 2 columns used by one row: nothing is cut, and the other rows' values are the same
+    whole_mask = attention_mask.clone()
+    whole_mask[0, -2:] = 1
+    whole, whole_entropy = completion_logprobs(model, input_ids, whole_mask, completion, 0.7, with_entropy=True)
+    assert lengths == [9, 11]
+    assert cut.shape == cut_entropy.shape == (4, 6)
+    assert (cut[:, -2:] == 0).all() and (cut_entropy[:, -2:] == 0).all()
+    torch.testing.assert_close(cut[keep], whole[keep], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cut_entropy[keep], whole_entropy[keep], rtol=1e-5, atol=1e-5)
