@@ -130,10 +130,10 @@ class Clock(L.Callback):
         print(f"held-out {scores} at step {trainer.global_step}, {seconds} s", file=sys.stderr, flush=True)
 
 
-def _trainer(args, max_steps: int, callbacks, validate_every: int | None) -> L.Trainer:
+def _trainer(args, max_steps: int, callbacks, validate_every: int | None, precision: str = "32-true") -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
+        accelerator="cpu", precision=precision, max_steps=max_steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0, callbacks=list(callbacks),
         val_check_interval=validate_every, check_val_every_n_epoch=None, limit_val_batches=1.0 if validate_every else 0,
     )  # fmt: skip
 
@@ -228,7 +228,8 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
         replay = args.replay_fraction if len(stages) > 1 else 0.0
         dm = _datamodule(args, module, stages, seed, curriculum=settings, replay_fraction=replay, eval_stages=lengths)
         callbacks.append(CurriculumCallback(export=False))
-    trainer = _trainer(args, 10**7, callbacks, args.eval_every)
+    precision = "bf16-mixed" if args.bf16 else "32-true"  # the arm's; a warm start is always float32
+    trainer = _trainer(args, 10**7, callbacks, args.eval_every, precision)
     trainer.validate(module, datamodule=dm, verbose=False)  # the start of the curve
     trainer.fit(module, datamodule=dm)
     if clock.curve[-1]["step"] != trainer.global_step:
@@ -317,6 +318,7 @@ def main() -> None:
     parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], help="model.sampling.merged_copy")
     parser.add_argument("--importance-sampling-cap", type=float, default=None,
                         help="model.sampling.importance_sampling_cap")  # fmt: skip
+    parser.add_argument("--bf16", action="store_true", help="the arms under trainer.precision bf16-mixed")
     parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per GRPO step")
