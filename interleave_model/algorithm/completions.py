@@ -50,14 +50,29 @@ def completion_logprobs(
     before the forward and given 0 after it: a causal model's values at the others are the same without them.
     """
     width = completion_ids.shape[1]
-    used = used_width(attention_mask[:, -width:])
-    if used < width:  # the cut columns are masked in every row: log-probs and entropies 0 there
-        cut = width - used
-        logprobs, entropy = completion_logprobs(
-            model, input_ids[:, :-cut], attention_mask[:, :-cut], completion_ids[:, :used], temperature,
-            with_entropy=with_entropy, group_size=group_size,
-        )  # fmt: skip
-        return F.pad(logprobs, (0, cut)), None if entropy is None else F.pad(entropy, (0, cut))
+    cut = width - used_width(attention_mask[:, -width:])
+    if cut == 0:
+        return _completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, with_entropy,
+                                    group_size)  # fmt: skip
+    logprobs, entropy = _completion_logprobs(
+        model, input_ids[:, :-cut], attention_mask[:, :-cut], completion_ids[:, :-cut], temperature, with_entropy,
+        group_size,
+    )  # fmt: skip
+    # the cut columns are masked in every row: log-probs and entropies 0 there
+    return F.pad(logprobs, (0, cut)), None if entropy is None else F.pad(entropy, (0, cut))
+
+
+def _completion_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    completion_ids: Tensor,
+    temperature: float,
+    with_entropy: bool,
+    group_size: int,
+) -> tuple[Tensor, Tensor | None]:
+    """`completion_logprobs` on completions whose last column some row uses: [N, C] each."""
+    width = completion_ids.shape[1]
     head = fused_head(model)
     if head is None:
         logits = completion_logits(model, input_ids, attention_mask, width)  # [N, C, V]
