@@ -115,6 +115,14 @@ def bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return 2 * source.numel() * 4 / statistics.median(times)
 
 
+def merged_weight_bytes(policy, dtype: str) -> int:
+    """Bytes of the policy's weights without its adapters, in `dtype`: what a merged copy reads a decode step."""
+    import torch
+
+    size = getattr(torch, dtype).itemsize
+    return sum(p.numel() for name, p in policy.named_parameters() if "lora_" not in name) * size
+
+
 def shape_of(policy) -> dict[str, int]:
     """Weights of the decoder's linear layers (adapters included), of the output layer, and the attention's size."""
     import torch
@@ -135,10 +143,10 @@ def shape_of(policy) -> dict[str, int]:
 
 
 def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: float, lora: bool, beta: float,
-              rollout_bytes_per_weight: float = 4.0) -> dict:  # fmt: skip
+              rollout_weight_bytes: float | None = None) -> dict:  # fmt: skip
     """FLOPs and bytes of one GRPO step's rollout and update (the module docstring's count). `prompt` is a prompt's
-    tokens, `completion` the mean completion length over the rows (through the stop token); a rollout from a bfloat16
-    copy reads 2 bytes a weight (`shape["weight_bytes"]` counts the policy's float32)."""
+    tokens, `completion` the mean completion length over the rows (through the stop token); `rollout_weight_bytes`
+    what the rollout reads a decode step when it is not the policy (`shape["weight_bytes"]`): a merged copy's."""
     n, h, attention = shape["linear_weights"], shape["head_weights"], 4 * shape["hidden"] * shape["layers"]
     prefill = groups * prompt * (2 * n + attention * prompt / 2)
     decode = rows * completion * (2 * n + 2 * h + attention * (prompt + completion / 2))
@@ -147,7 +155,7 @@ def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: fl
     backward = forward if lora else 2 * forward
     return {
         "rollout_flops": prefill + decode,
-        "rollout_bytes": completion * shape["weight_bytes"] * rollout_bytes_per_weight / 4,  # weights once a step
+        "rollout_bytes": completion * (rollout_weight_bytes or shape["weight_bytes"]),  # weights once a step
         "update_flops": forward + backward + (forward if beta > 0 else 0.0),
         "update_bytes": 3 * shape["weight_bytes"],
     }
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args, step_args = parse(argv)
+    precision = "bf16-mixed" if args.bf16 else "32-true"
     torch.set_num_threads(args.threads)
     trace = provenance(args.threads)  # the commit as the run starts, not as it ends
     with tempfile.TemporaryDirectory() as cache:
@@ -176,7 +185,6 @@ def main(argv: list[str] | None = None) -> dict:
             return trajectory, stats
 
         module.generate_trajectory = counted
-        precision = "bf16-mixed" if args.bf16 else None
         quiet_trainer("cpu", precision, args.warmup + args.steps).fit(module, datamodule=data)
         measured = summarize([*records, mark()], args.warmup, None)
     shape = shape_of(module.policy)
@@ -184,8 +192,8 @@ def main(argv: list[str] | None = None) -> dict:
     prompt = statistics.mean(p for p, _ in seen[args.warmup :])
     completion = statistics.mean(c for _, c in seen[args.warmup :])
     dtypes = phase_dtypes(args)
-    per_weight = 2.0 if dtypes["rollout"] == "bfloat16" else 4.0
-    work = step_work(shape, args.prompts, rows, prompt, completion, args.lora, args.beta, per_weight)
+    copy_bytes = merged_weight_bytes(module.policy, args.merged_copy) if args.merged_copy else None
+    work = step_work(shape, args.prompts, rows, prompt, completion, args.lora, args.beta, copy_bytes)
     update_rows = int(args.prompts * prompt + rows * completion)
     rates = {
         "rollout_matmul_flops_per_s": matmul_rate(rows, shape["hidden"], shape["intermediate"], dtypes["rollout"]),
@@ -211,7 +219,7 @@ def main(argv: list[str] | None = None) -> dict:
         "beta": args.beta,
         "merged_copy": args.merged_copy,
         "micro_batch_size": args.micro_batch_size,
-        "precision": "bf16-mixed" if args.bf16 else "32-true",
+        "precision": precision,
         "matmul_dtype": dtypes,
         "prompt_tokens": round(prompt, 1),
         "completion_tokens": round(completion, 1),

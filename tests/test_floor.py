@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -56,8 +57,13 @@ def test_each_phase_is_floored_in_the_dtype_it_runs_in_and_the_step_gets_the_lev
     plain, plain_step = floor.parse([])
     assert floor.phase_dtypes(plain) == {"rollout": "float32", "update": "float32"}
     assert (plain_step.merged_copy, plain_step.bf16) == (None, False)
-    fp32 = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0)
-    bf16 = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0,
-                           rollout_bytes_per_weight=2.0)  # fmt: skip
-    assert bf16["rollout_bytes"] == fp32["rollout_bytes"] / 2  # a bfloat16 copy reads half the bytes
-    assert bf16["rollout_flops"] == fp32["rollout_flops"]
+    policy = torch.nn.Module()  # 10 + 3 weights of the base, 8 of an adapter
+    policy.base, policy.bias = torch.nn.Parameter(torch.zeros(2, 5)), torch.nn.Parameter(torch.zeros(3))
+    policy.lora_A = torch.nn.Parameter(torch.zeros(2, 4))
+    assert floor.merged_weight_bytes(policy, "bfloat16") == 13 * 2  # the adapter is merged in: not read again
+    assert floor.merged_weight_bytes(policy, "float32") == 13 * 4
+    own = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0)
+    copy = floor.step_work(SHAPE, groups=1, rows=2, prompt=4, completion=3, lora=True, beta=0.0,
+                           rollout_weight_bytes=3000)  # fmt: skip
+    assert own["rollout_bytes"] == 3 * 6000 and copy["rollout_bytes"] == 3 * 3000  # a copy's bytes once a step
+    assert copy["rollout_flops"] == own["rollout_flops"]
