@@ -147,8 +147,9 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         tiny=tiny, template=args.template, seed=seed, num_generations=args.num_generations,
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
         beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
-        scale_rewards=args.scale_rewards, num_iterations=args.num_iterations, loss_type=args.loss_type,
-        credit=args.credit, micro_batch_size=args.micro_batch_size, rewards=[REWARDS[args.reward]()],
+        scale_rewards=args.scale_rewards, advantage_sign=args.advantage_sign, num_iterations=args.num_iterations,
+        loss_type=args.loss_type, credit=args.credit, micro_batch_size=args.micro_batch_size,
+        rewards=[REWARDS[args.reward]()],
         guidance=args.guidance, guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
         reference_in_group=args.reference_in_group, shaping_gamma=args.shaping_gamma,
         merged_copy=args.merged_copy, importance_sampling_cap=args.importance_sampling_cap,
@@ -311,6 +312,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
     parser.add_argument("--scale-rewards", default="group")
+    parser.add_argument("--advantage-sign", default="both", help='"both" (GRPO), "positive" (PSR) or "negative" (NSR)')
     parser.add_argument("--credit", default="sequence", choices=get_args(Credit), help="model.loss.credit")
     parser.add_argument("--hint-pairs", type=int, default=0, help="data.hints.pairs: the answer's first pairs")
     parser.add_argument("--hint-decay-steps", type=int, default=0, help="data.hints.decay_steps")

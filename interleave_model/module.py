@@ -308,7 +308,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         engine_logprobs = trajectory.rollout.logprobs  # [N, C], the sampling engine's, when it records them
         if engine_logprobs is not None:  # how far its numerics are from the trainer's (the off-policy gap)
             totals["engine_logprob_gap"] = 0.0
-        advantages = trajectory.token_advantages(G)  # [N], or per word [N, C]
+        advantages = grpo.signed_advantages(trajectory.token_advantages(G), loss.advantage_sign)  # [N], or [N, C]
         reference = trajectory.reference_advantages  # [P], with the known answer as one more group member
         samples_share = 1.0 if reference is None else G / (G + 1)
         optimizer = self.optimizers()

@@ -46,6 +46,7 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
+AdvantageSign = Literal["both", "positive", "negative"]
 Credit = Literal["sequence", "word", "position", "pair"]
 LrSchedule = Literal["cosine", "constant"]
 
@@ -150,6 +151,9 @@ class Loss:
             longest completion would reweight every token by how long its batch happened to run.
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        advantage_sign: "both" (GRPO); "positive" keeps only the completions above their baseline (positive sample
+            reinforcement, PSR), "negative" only those below it (negative sample reinforcement, NSR; Zhu et al.,
+            arXiv 2506.01347): the others get advantage 0.
         credit: "sequence" (GRPO: every token gets its completion's advantage); "word": each word up to the first
             mistake its own, from the group's completions at the same state, and the completion's advantage after
             it; "position": every word judged against the target's word at its position, and the stop against the
@@ -176,6 +180,7 @@ class Loss:
     max_completion_length: int | None = None
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_sign: AdvantageSign = "both"
     credit: Credit = "sequence"
     guidance: float = 0.0
     guidance_final: float = 0.0
