@@ -52,7 +52,8 @@ def grouped_decode_attention(
     k = key.shape[1]
     scale = d**-0.5 if scaling is None else scaling
     grouped = query.reshape(b, k, h // k, d)  # query heads h*K/H .. of KV head k side by side: [B, K, H/K, D]
-    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * scale  # [B, K, H/K, L]
+    # key @ query^T, then the small result transposed: query @ key^T would copy the transposed cache at every step
+    scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, K, H/K, L]
     if attention_mask is not None:
         mask = attention_mask[..., -1:, : key.shape[-2]]  # [B, 1, 1, L]
         scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask

@@ -98,7 +98,9 @@ def sample(
             position_ids=positions,
             past_key_values=cache,
             use_cache=True,
-            logits_to_keep=1,
+            # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,
+            # so the head's linear would copy its weight once per prompt (a [P, H, V] copy on a CPU)
+            logits_to_keep=torch.tensor([prompt_length - 1], device=prompt_ids.device),
         )
         if G > 1 and not grouped:
             cache.batch_repeat_interleave(G)
@@ -241,20 +243,20 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, uniform:
     the row's number of `uniform` [N, 1] (in [0, 1))."""
     if temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float()  # [N, V]
-    if temperature != 1.0:
-        logits = logits / temperature
+    # the caller's logits are read again (the log-probs): a new tensor only, then the rest in place (a fresh
+    # [N, V] float32 buffer per operation costs more than the operation on a CPU)
+    logits = logits / temperature if logits.dtype == torch.float32 else logits.float().div_(temperature)  # [N, V]
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
-        logits = logits.masked_fill(logits < kth, -math.inf)
+        logits.masked_fill_(logits < kth, -math.inf)
     if top_p < 1.0:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
         drop = (probs.cumsum(-1) - probs) > top_p
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        logits.scatter_(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     # unnormalised probabilities are enough: _draw scales its uniform number by their total
-    return _draw((logits - logits.amax(-1, keepdim=True)).exp_(), uniform)
+    return _draw(logits.sub_(logits.amax(-1, keepdim=True)).exp_(), uniform)
 
 
 def _draw(weights: Tensor, uniform: Tensor) -> Tensor:

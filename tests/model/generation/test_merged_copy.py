@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
@@ -103,6 +104,18 @@ def test_grouped_decode_attention_is_sdpa_with_grouped_query_heads(dtype):
             expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.3,
                                                       enable_gqa=True).transpose(1, 2)  # fmt: skip
         torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+def test_grouped_decode_attention_never_transposes_the_cache():
+    # the keys as the rollout's cache hands them, the filled part of a longer buffer: [B, K, L, D] of [B, K, cap, D].
+    # query @ key^T has a bfloat16 CPU matmul copy the keys transposed, [B*K, D, L], at every decode step (on
+    # CPUs whose bfloat16 matmul wants contiguous operands: the test can catch the copy only there)
+    query = torch.randn(8, 6, 1, 16, dtype=torch.bfloat16)
+    key, value = (torch.randn(8, 2, 40, 16, dtype=torch.bfloat16)[:, :, :33] for _ in range(2))
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as profiled:
+        grouped_decode_attention(torch.nn.Module(), query, key, value, None, scaling=0.3)
+    copied = [event.input_shapes[0] for event in profiled.events() if event.name in ("aten::clone", "aten::copy_")]
+    assert [16, 16, 33] not in copied, copied
 
 
 def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(make_module, make_datamodule):

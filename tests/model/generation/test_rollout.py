@@ -168,6 +168,21 @@ def test_greedy_matches_hf_generate_with_every_stop_id(family_policy):
     assert completion_mask.sum(-1).tolist()[: len(stops)] == [row + 2 for row in ended]
 
 
+def test_the_head_reads_contiguous_hidden_states_in_the_prefill_and_every_step(family_policy):
+    # a slice of the prompts' last positions is not contiguous: a CPU linear then copies the head once per prompt
+    model, tok, stops = family_policy
+    seen = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    enc = tok(["the cat sat on", "a", "b c"], return_tensors="pt", padding=True, padding_side="left")
+    try:
+        sample(model, enc.input_ids, enc.attention_mask, num_generations=2, max_new_tokens=4, temperature=1.0,
+               stop_ids=[], pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))  # fmt: skip
+    finally:
+        hook.remove()
+    assert [tuple(hidden.shape[:2]) for hidden in seen] == [(3, 1)] + [(6, 1)] * 3  # the prefill keeps one position
+    assert all(hidden.is_contiguous() for hidden in seen)
+
+
 def test_generation_stops_once_every_row_ended(tiny):
     module, ids, mask = tiny
     eos = module.tokenizer.eos_token_id
