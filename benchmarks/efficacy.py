@@ -321,7 +321,9 @@ def main() -> None:
     parser.add_argument("--importance-sampling-cap", type=float, default=None,
                         help="model.sampling.importance_sampling_cap")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="the arms under trainer.precision bf16-mixed")
-    parser.add_argument("--start", default=None, help="lift/sft from this model folder, no warm-start")
+    parser.add_argument(
+        "--start", default=None, help="every arm from this model folder or warm-start checkpoint, no warm-start"
+    )
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--batch-size", type=int, default=16, help="prompts per GRPO step")
     parser.add_argument("--threshold", type=float, default=0.9, help="rolling reward that passes a curriculum stage")
@@ -358,7 +360,7 @@ def main() -> None:
                 stages = [ladder[0]] if at_ten else (ladder if arm == "curriculum" else ladder[-1:])
                 sft_stages = None if at_ten else list(range(2, ladder[0] + 1))
                 kind = "task" if at_ten else "mix"
-                if args.start and at_ten:
+                if args.start:
                     warm[kind] = Path(args.start), {"from": args.start}
                 if not at_ten and args.ladder_sft_steps == 0:
                     warm[kind] = None, {"sft_steps": 0}
