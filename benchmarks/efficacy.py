@@ -48,7 +48,7 @@ from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
-from interleave_model.settings import Credit
+from interleave_model.settings import AdvantageSign, Credit, ScaleRewards
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
 SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
@@ -311,8 +311,9 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warm-up of each phase")
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--epsilon-high", type=float, default=None)
-    parser.add_argument("--scale-rewards", default="group")
-    parser.add_argument("--advantage-sign", default="both", help='"both" (GRPO), "positive" (PSR) or "negative" (NSR)')
+    parser.add_argument("--scale-rewards", default="group", choices=get_args(ScaleRewards))
+    parser.add_argument("--advantage-sign", default="both", choices=get_args(AdvantageSign),
+                        help='"both" (GRPO), "positive" (PSR) or "negative" (NSR)')  # fmt: skip
     parser.add_argument("--credit", default="sequence", choices=get_args(Credit), help="model.loss.credit")
     parser.add_argument("--hint-pairs", type=int, default=0, help="data.hints.pairs: the answer's first pairs")
     parser.add_argument("--hint-decay-steps", type=int, default=0, help="data.hints.decay_steps")
