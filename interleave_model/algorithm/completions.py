@@ -7,12 +7,21 @@ completion tokens, ``V`` vocabulary, ``H`` hidden size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
 from interleave_model.generation.rollout import position_ids
+
+# What one more forward and backward through the decoder costs beside its tokens, in completion tokens: a
+# sub-batch of short completions pays it to skip the padding to a long one (`length_buckets`). SmolLM2-135M with
+# LoRA on a 2-thread CPU: ~5.5 ms a token and ~0.35 s a call (2 rows of 2 tokens 0.8-0.95 s, 1 row of 8 0.6 s).
+SUB_BATCH_TOKENS = 64
 
 
 def completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
@@ -99,7 +108,9 @@ def completion_hidden(
     the prompts run once, P = N / G rows, and their cached keys and values, repeated G times, are attended by the
     completions. The gradient reaches the prompt's positions through the repeated cache (summed over the G copies),
     so log-probs and gradients equal those of the full forward; a rollout's prompt tokens are most of a short
-    stage's tokens, so the update does up to G times less prompt work.
+    stage's tokens, so the update does up to G times less prompt work. The completions then run in sub-batches of
+    similar length (`length_buckets`), each padded only to its own longest, when the model's cache is a plain one:
+    a group whose completions range from a few tokens to the budget no longer runs every row to the budget.
     """
     positions = position_ids(attention_mask)  # [N, L]
     # under gradient checkpointing HF trains without a cache, so the prompt's keys and values cannot be handed on
@@ -117,17 +128,60 @@ def completion_hidden(
         position_ids=positions[firsts, :prompt],
         use_cache=True,
     )  # last_hidden_state [P, Lp, H]
+    lengths = attention_mask[:, prompt:].sum(dim=1).tolist()  # [N] completion tokens (right-padded)
     cache = prefix.past_key_values
-    cache.batch_repeat_interleave(G)  # [P, ...] -> [N, ...], differentiable
-    rest = decoder(
-        input_ids=input_ids[:, prompt:-1],
-        attention_mask=attention_mask[:, :-1],
-        position_ids=positions[:, prompt:-1],
-        past_key_values=cache,
-        use_cache=True,
-    ).last_hidden_state  # [N, C-1, H]
-    last = prefix.last_hidden_state[:, -1:].repeat_interleave(G, dim=0)  # [N, 1, H]: predicts the first token
-    return torch.cat([last, rest], dim=1)  # [N, C, H]
+    plain = all(type(layer) is DynamicLayer for layer in cache.layers)  # else: one batch, the cache repeated in place
+    buckets = length_buckets(lengths, SUB_BATCH_TOKENS) if plain else [list(range(len(lengths)))]
+    parts, order = [], []
+    for rows in buckets:
+        index = torch.tensor(rows, device=input_ids.device)  # [n]
+        groups = index // G  # [n], each row's prompt
+        used = max(1, max(lengths[r] for r in rows))
+        if len(buckets) == 1:  # the rows in order: the cache repeated in place, no copy per bucket
+            cache.batch_repeat_interleave(G)  # [P, ...] -> [N, ...], differentiable
+            rows_cache = cache
+        else:
+            rows_cache = DynamicCache([(layer.keys[groups], layer.values[groups]) for layer in cache.layers])
+        last = prefix.last_hidden_state[groups, -1:]  # [n, 1, H]: predicts the first token
+        hidden = [last]
+        if used > 1:
+            hidden.append(
+                decoder(
+                    input_ids=input_ids[index, prompt : prompt + used - 1],
+                    attention_mask=attention_mask[index, : prompt + used - 1],
+                    position_ids=positions[index, prompt : prompt + used - 1],
+                    past_key_values=rows_cache,
+                    use_cache=True,
+                ).last_hidden_state  # [n, used-1, H]
+            )
+        parts.append(F.pad(torch.cat(hidden, dim=1), (0, 0, 0, width - used)))  # [n, width, H]
+        order += rows
+    hidden = torch.cat(parts)  # [N, width, H], rows in bucket order
+    if order != sorted(order):
+        hidden = hidden[torch.tensor(order, device=hidden.device).argsort()]
+    return hidden
+
+
+def length_buckets(lengths: Sequence[int], overhead: int) -> list[list[int]]:
+    """The rows (indices into `lengths`) in sub-batches that each run padded to their own longest completion.
+
+    Sorted by length, the rows are cut into runs so that the padded tokens plus `overhead` per run are fewest (an
+    exact dynamic programme over the cuts); one run keeps the rows' own order.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # longest first: a run's first row is its longest
+    n = len(order)
+    # cost[j]: the cheapest cut of the first j rows; cut[j]: where its last run starts
+    cost, cut = [0] + [float("inf")] * n, [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            c = cost[i] + (j - i) * lengths[order[i]] + overhead
+            if c < cost[j]:
+                cost[j], cut[j] = c, i
+    runs, j = [], n
+    while j > 0:
+        runs.append(order[cut[j] : j])
+        j = cut[j]
+    return [list(range(n))] if len(runs) <= 1 else runs[::-1]
 
 
 def used_width(completion_mask: Tensor) -> int:
