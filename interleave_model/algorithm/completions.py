@@ -21,7 +21,10 @@ from interleave_model.generation.rollout import position_ids
 # What one more forward and backward through the decoder costs beside its tokens, in completion tokens: a
 # sub-batch of short completions pays it to skip the padding to a long one (`length_buckets`). SmolLM2-135M with
 # LoRA on a 2-thread CPU: ~5.5 ms a token and ~0.35 s a call (2 rows of 2 tokens 0.8-0.95 s, 1 row of 8 0.6 s).
-SUB_BATCH_TOKENS = 64
+# An accelerator runs a token for far less beside its per-call launches; its figure is an estimate (not measured)
+# that cuts only long runs of padding, such as a long stage's few completions at the budget.
+SUB_BATCH_TOKENS = {"cpu": 64}
+ACCELERATOR_SUB_BATCH_TOKENS = 512
 
 
 def completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
@@ -131,7 +134,8 @@ def completion_hidden(
     lengths = attention_mask[:, prompt:].sum(dim=1).tolist()  # [N] completion tokens (right-padded)
     cache = prefix.past_key_values
     plain = all(type(layer) is DynamicLayer for layer in cache.layers)  # else: one batch, the cache repeated in place
-    buckets = length_buckets(lengths, SUB_BATCH_TOKENS) if plain else [list(range(len(lengths)))]
+    overhead = SUB_BATCH_TOKENS.get(input_ids.device.type, ACCELERATOR_SUB_BATCH_TOKENS)
+    buckets = length_buckets(lengths, overhead) if plain else [list(range(len(lengths)))]
     parts, order = [], []
     for rows in buckets:
         index = torch.tensor(rows, device=input_ids.device)  # [n]

@@ -188,7 +188,7 @@ def test_completions_of_unequal_length_run_in_sub_batches_with_the_full_forwards
     lengths = [9, 2, 9, 1, 3, 9, 2, 8]  # long and short completions mixed within each group
     completion_mask = (torch.arange(C) < torch.tensor(lengths)[:, None]).long()  # [N, C], right-padded
     input_ids, attention_mask = torch.cat([prompts, completion], 1), torch.cat([prompt_mask, completion_mask], 1)
-    monkeypatch.setattr(completions, "SUB_BATCH_TOKENS", 2)
+    monkeypatch.setitem(completions.SUB_BATCH_TOKENS, "cpu", 2)
     calls = _decoder_calls(model, monkeypatch)
     full = _logprobs_and_grads(model, input_ids, attention_mask, completion, 1)
     bucketed = _logprobs_and_grads(model, input_ids, attention_mask, completion, G)
