@@ -133,7 +133,8 @@ def completion_hidden(
     )  # last_hidden_state [P, Lp, H]
     lengths = attention_mask[:, prompt:].sum(dim=1).tolist()  # [N] completion tokens (right-padded)
     cache = prefix.past_key_values
-    plain = all(type(layer) is DynamicLayer for layer in cache.layers)  # else: one batch, the cache repeated in place
+    # else one batch, the cache repeated in place (as `rollout_cache` tells its plain caches from the rest)
+    plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
     overhead = SUB_BATCH_TOKENS.get(input_ids.device.type, ACCELERATOR_SUB_BATCH_TOKENS)
     buckets = length_buckets(lengths, overhead) if plain else [list(range(len(lengths)))]
     parts, order = [], []
