@@ -131,6 +131,15 @@ def completion_hidden(
         position_ids=positions[firsts, :prompt],
         use_cache=True,
     )  # last_hidden_state [P, Lp, H]
+    return _completions_after(decoder, prefix, input_ids, attention_mask, positions, width, G)
+
+
+def _completions_after(
+    decoder: torch.nn.Module, prefix, input_ids: Tensor, attention_mask: Tensor, positions: Tensor, width: int, G: int
+) -> Tensor:
+    """`completion_hidden`'s completions on their prompts' forward `prefix` (hidden states and cache of P rows), in
+    sub-batches of similar length (`length_buckets`): [N, width, H], rows in their own order."""
+    prompt = input_ids.shape[1] - width
     lengths = attention_mask[:, prompt:].sum(dim=1).tolist()  # [N] completion tokens (right-padded)
     cache = prefix.past_key_values
     # else one batch, the cache repeated in place (as `rollout_cache` tells its plain caches from the rest)
@@ -147,14 +156,14 @@ def completion_hidden(
             rows_cache = cache
         else:
             rows_cache = DynamicCache([(layer.keys[groups], layer.values[groups]) for layer in cache.layers])
-        last = prefix.last_hidden_state[groups, -1:]  # [n, 1, H]: predicts the first token
-        hidden = [last]
+        hidden = [prefix.last_hidden_state[groups, -1:]]  # [n, 1, H]: predicts the first token
         if used > 1:
+            columns = slice(prompt, prompt + used - 1)
             hidden.append(
                 decoder(
-                    input_ids=input_ids[index, prompt : prompt + used - 1],
+                    input_ids=input_ids[index, columns],
                     attention_mask=attention_mask[index, : prompt + used - 1],
-                    position_ids=positions[index, prompt : prompt + used - 1],
+                    position_ids=positions[index, columns],
                     past_key_values=rows_cache,
                     use_cache=True,
                 ).last_hidden_state  # [n, used-1, H]
