@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from interleave_model.algorithm.logprobs import head_token_logprobs, token_entropy, token_logprobs
 from interleave_model.generation.rollout import position_ids
+from interleave_model.generation.rollout_cache import plain_layers
 
 # What one more forward and backward through the decoder costs beside its tokens, in completion tokens: a
 # sub-batch of short completions pays it to skip the padding to a long one (`length_buckets`). SmolLM2-135M with
@@ -142,10 +142,9 @@ def _completions_after(
     prompt = input_ids.shape[1] - width
     lengths = attention_mask[:, prompt:].sum(dim=1).tolist()  # [N] completion tokens (right-padded)
     cache = prefix.past_key_values
-    # else one batch, the cache repeated in place (as `rollout_cache` tells its plain caches from the rest)
-    plain = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
     overhead = SUB_BATCH_TOKENS.get(input_ids.device.type, ACCELERATOR_SUB_BATCH_TOKENS)
-    buckets = length_buckets(lengths, overhead) if plain else [list(range(len(lengths)))]
+    # a cache with special layers: one batch, the cache repeated in place
+    buckets = length_buckets(lengths, overhead) if plain_layers(cache) else [list(range(len(lengths)))]
     parts, order = [], []
     for rows in buckets:
         index = torch.tensor(rows, device=input_ids.device)  # [n]

@@ -64,6 +64,11 @@ class GroupLayer(DynamicLayer):
         return grown
 
 
+def plain_layers(cache: DynamicCache) -> bool:
+    """True when the cache has layers and every one is a plain full-attention `DynamicLayer` (no sliding window)."""
+    return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+
+
 def rollout_cache(model: torch.nn.Module, capacity: int, group: int) -> tuple[DynamicCache, bool]:
     """A KV cache for one rollout of `group` completions per prompt, and whether its prefill fills the whole group.
 
@@ -72,7 +77,7 @@ def rollout_cache(model: torch.nn.Module, capacity: int, group: int) -> tuple[Dy
     """
     config = getattr(model, "config", None)
     cache = DynamicCache(config=config) if config is not None else DynamicCache()
-    grouped = bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
+    grouped = plain_layers(cache)
     if grouped:
         cache.layers = [GroupLayer(capacity, group) for _ in cache.layers]
     return cache, grouped
