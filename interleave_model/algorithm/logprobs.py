@@ -18,6 +18,10 @@ _CHUNK_ELEMENTS = 2**26
 # with SmolLM2's 49k-word head 21-row chunks ran its forward and backward 1.6x slower than 128-row ones.
 _CPU_CHUNK_ELEMENTS = 2**20
 _CPU_MIN_CHUNK_ROWS = 128
+# The fused head keeps its forward's fp32 softmax for the backward when it holds at most this many elements (256 MiB):
+# a micro-batch of SmolLM2's completions (8 rows, ~600 tokens of a 49k vocabulary, 120 MiB) skips the backward's
+# second head matmul, a third of the head's work under LoRA; a long stage's or Llama-3's [T, V] is recomputed.
+_KEPT_PROBS_ELEMENTS = 2**26
 
 
 def _chunks(n: int, length: int, chunk_size: int):
@@ -137,17 +141,20 @@ def token_entropy(logits: Tensor, temperature: float = 1.0, *, chunk_size: int |
 class _HeadTokenLogProbs(torch.autograd.Function):
     """``log softmax(hidden @ weight.T / T)[token]`` (and the entropy) in row chunks, never holding ``[T, V]`` logits.
 
-    The forward keeps only ``hidden``, ``weight`` and a ``[T]`` logsumexp; the backward recomputes each chunk's logits
-    (one more matmul) instead of storing them. Matmuls run in ``dtype`` (the autocast dtype when it was on), softmax
-    in fp32, with autocast off inside so that forward and backward see the very same logits.
+    The forward keeps ``hidden``, ``weight``, a ``[T]`` logsumexp and, when `keep_probs`, the ``[T, V]`` softmax; the
+    backward reads that softmax, or else recomputes each chunk's logits (one more matmul) instead of storing them.
+    Both give the same values bit for bit: the same matmul on the same chunk. Matmuls run in ``dtype`` (the autocast
+    dtype when it was on), softmax in fp32, with autocast off inside so that forward and backward see the very same
+    logits.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, tokens, temperature, chunk_rows, dtype, with_entropy):
+    def forward(ctx, hidden, weight, tokens, temperature, chunk_rows, dtype, with_entropy, keep_probs):
         n_tokens, out_dtype = hidden.shape[0], torch.promote_types(dtype, torch.float32)
         logprobs = hidden.new_empty(n_tokens, dtype=out_dtype)  # [T]
         lse = hidden.new_empty(n_tokens, dtype=out_dtype)  # [T]
         entropy = hidden.new_empty(n_tokens if with_entropy else 0, dtype=out_dtype)  # [T] or [0]
+        probs = hidden.new_empty((n_tokens, weight.shape[0]) if keep_probs else (0, 0), dtype=out_dtype)  # [T, V]
         w = weight.to(dtype)  # [V, H]
         with _autocast_off(hidden.device.type):
             for start in range(0, n_tokens, chunk_rows):
@@ -155,17 +162,20 @@ class _HeadTokenLogProbs(torch.autograd.Function):
                 logits = _head_logits(hidden[rows], w, temperature)  # [m, V] fp32 (or wider)
                 lse[rows] = torch.logsumexp(logits, dim=-1)
                 logprobs[rows] = logits.gather(-1, tokens[rows, None]).squeeze(-1) - lse[rows]
+                if not (with_entropy or keep_probs):
+                    continue
+                p = torch.sub(logits, lse[rows, None], out=probs[rows]) if keep_probs else logits - lse[rows, None]
+                p.exp_()  # [m, V]
                 if with_entropy:  # H = lse - sum(p * x); a -inf logit has p = 0 and gives 0 * -inf = NaN: skip it
-                    p = logits.sub(lse[rows, None]).exp_()  # [m, V]
-                    entropy[rows] = lse[rows] - p.mul_(logits).nansum(-1)
-        ctx.save_for_backward(hidden, weight, tokens, lse)
-        ctx.temperature, ctx.chunk_rows, ctx.dtype = temperature, chunk_rows, dtype
+                    entropy[rows] = lse[rows] - (p * logits).nansum(-1)
+        ctx.save_for_backward(hidden, weight, tokens, lse, probs)
+        ctx.temperature, ctx.chunk_rows, ctx.dtype, ctx.keep_probs = temperature, chunk_rows, dtype, keep_probs
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, tokens, lse = ctx.saved_tensors
+        hidden, weight, tokens, lse, probs = ctx.saved_tensors
         w = weight.to(ctx.dtype)  # [V, H]
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None  # [T, H]
         grad_weight = torch.zeros_like(weight, dtype=lse.dtype) if ctx.needs_input_grad[1] else None  # [V, H]
@@ -174,15 +184,18 @@ class _HeadTokenLogProbs(torch.autograd.Function):
                 rows = slice(start, start + ctx.chunk_rows)
                 g = grad_logprobs[rows, None].to(lse.dtype)  # [m, 1]
                 # d/dx_j [x_t / T - lse(x / T)] = (1[j == t] - p_j) / T
-                p = _head_logits(hidden[rows], w, ctx.temperature).sub_(lse[rows, None]).exp_()  # [m, V]
-                grad_logits = p.mul_(-g).scatter_add_(-1, tokens[rows, None], g).div_(ctx.temperature)
+                if ctx.keep_probs:
+                    p = probs[rows].mul(-g)  # [m, V], a new tensor: the kept softmax stays as it was
+                else:
+                    p = _head_logits(hidden[rows], w, ctx.temperature).sub_(lse[rows, None]).exp_().mul_(-g)
+                grad_logits = p.scatter_add_(-1, tokens[rows, None], g).div_(ctx.temperature)
                 grad_logits = grad_logits.to(ctx.dtype)  # [m, V]
                 if grad_hidden is not None:
                     grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)  # [m, H]
                 if grad_weight is not None:  # accumulated in fp32 across chunks
                     grad_weight += grad_logits.T @ hidden[rows].to(ctx.dtype)  # [V, H]
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def _autocast_off(device: str) -> contextlib.AbstractContextManager:
@@ -205,6 +218,12 @@ def head_chunk_rows(vocab_size: int, device: str) -> int:
     return max(_CPU_MIN_CHUNK_ROWS, _CPU_CHUNK_ELEMENTS // vocab_size)
 
 
+def keeps_probs(n_tokens: int, vocab_size: int) -> bool:
+    """Whether the fused head keeps the softmax of `n_tokens` rows for its backward: its ``[T, V]`` within 2**26
+    elements."""
+    return n_tokens * vocab_size <= _KEPT_PROBS_ELEMENTS
+
+
 def head_token_logprobs(
     hidden: Tensor,
     weight: Tensor,
@@ -213,6 +232,7 @@ def head_token_logprobs(
     *,
     with_entropy: bool = False,
     chunk_rows: int | None = None,
+    keep_probs: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probabilities of ``tokens`` under ``softmax(hidden @ weight.T / temperature)``, without the logits tensor.
 
@@ -229,6 +249,8 @@ def head_token_logprobs(
         temperature: Sampling temperature, > 0; logits are divided by it, as in :func:`token_logprobs`.
         with_entropy: Also return the entropy of each position's distribution (a detached diagnostic).
         chunk_rows: Tokens per chunk; default `head_chunk_rows`.
+        keep_probs: Keep the forward's ``[T, V]`` softmax for the backward instead of recomputing its logits there;
+            default: when a gradient is wanted and it holds at most ``2**26`` elements (`keeps_probs`).
 
     Returns:
         ``([T] log-probs, [T] entropies or None)``, fp32 (float64 for float64 inputs).
@@ -245,7 +267,10 @@ def head_token_logprobs(
     device = hidden.device.type
     autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device) if autocast else torch.promote_types(hidden.dtype, weight.dtype)
+    if keep_probs is None:
+        wants_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+        keep_probs = wants_grad and keeps_probs(hidden.shape[0], weight.shape[0])
     logprobs, entropy = _HeadTokenLogProbs.apply(
-        hidden, weight, tokens.long(), float(temperature), chunk_rows, dtype, with_entropy
+        hidden, weight, tokens.long(), float(temperature), chunk_rows, dtype, with_entropy, keep_probs
     )
     return logprobs, (entropy if with_entropy else None)

@@ -13,8 +13,15 @@ import torch
 import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from interleave_model.algorithm import logprobs as logprobs_module
 from interleave_model.algorithm.completions import completion_logprobs, fused_head
-from interleave_model.algorithm.logprobs import head_chunk_rows, head_token_logprobs, token_entropy, token_logprobs
+from interleave_model.algorithm.logprobs import (
+    head_chunk_rows,
+    head_token_logprobs,
+    keeps_probs,
+    token_entropy,
+    token_logprobs,
+)
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import _draw, _uniform, sample, token_budget
 from interleave_model.model.policy import LoraSettings, TinyModelConfig, apply_lora
@@ -224,6 +231,44 @@ def test_fused_head_matches_the_logits_path_in_value_and_gradient():
     torch.testing.assert_close(entropy, token_entropy(logits.detach(), 0.7)[0])
     grads = torch.autograd.grad((fused * grad).sum(), (hidden, weight))
     torch.testing.assert_close(grads, torch.autograd.grad((plain * grad).sum(), (hidden, weight)))
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_fused_head_keeping_its_softmax_gives_the_recomputed_gradient_bit_for_bit_with_one_matmul_less(
+    monkeypatch, with_entropy
+):
+    torch.manual_seed(0)
+    hidden = torch.randn(300, 64, requires_grad=True)  # float32, as a CPU update runs it
+    weight = torch.randn(1000, 64, requires_grad=True)
+    tokens = torch.randint(0, 1000, (300,))
+    grad = torch.randn(300)
+    calls = []
+    head_logits = logprobs_module._head_logits
+    monkeypatch.setattr(logprobs_module, "_head_logits", lambda *a: calls.append(1) or head_logits(*a))
+    results = {}
+    for keep in (False, True, None):  # None: the default, which keeps a [300, 1000] softmax
+        calls.clear()
+        fused, entropy = head_token_logprobs(
+            hidden, weight, tokens, 0.7, with_entropy=with_entropy, chunk_rows=128, keep_probs=keep
+        )
+        forward_calls = len(calls)
+        grads = torch.autograd.grad((fused * grad).sum(), (hidden, weight))
+        results[keep] = (fused, entropy, grads, forward_calls, len(calls) - forward_calls)
+    recomputed, kept, default = results[False], results[True], results[None]
+    assert torch.equal(recomputed[0], kept[0])  # log-probs
+    assert (recomputed[1] is kept[1] is None) or torch.equal(recomputed[1], kept[1])  # entropies
+    assert all(torch.equal(a, b) for a, b in zip(recomputed[2], kept[2], strict=True))  # both gradients
+    assert recomputed[3:] == (3, 3) and kept[3:] == (3, 0) and default[3:] == (3, 0)  # 3 chunks of <= 128 rows
+    with torch.no_grad():  # nothing to differentiate: nothing kept
+        calls.clear()
+        head_token_logprobs(hidden, weight, tokens, chunk_rows=128)
+    assert len(calls) == 3
+
+
+def test_the_fused_head_keeps_a_softmax_of_at_most_256_mib():
+    assert keeps_probs(8 * 96, 49152)  # a micro-batch of 8 SmolLM2 completions at a 10-word budget: 144 MiB
+    assert not keeps_probs(32 * 96, 49152)  # the same 32 rows in one batch: 576 MiB, recomputed
+    assert not keeps_probs(16 * 1693, 128256)  # Llama-3 at 500 words: recomputed in chunks, as the memory plan says
 
 
 def test_the_fused_heads_cpu_chunks_hold_at_least_128_rows_and_4_mib_on_a_small_vocabulary():
