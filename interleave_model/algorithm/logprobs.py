@@ -167,7 +167,8 @@ class _HeadTokenLogProbs(torch.autograd.Function):
                 p = torch.sub(logits, lse[rows, None], out=probs[rows]) if keep_probs else logits - lse[rows, None]
                 p.exp_()  # [m, V]
                 if with_entropy:  # H = lse - sum(p * x); a -inf logit has p = 0 and gives 0 * -inf = NaN: skip it
-                    entropy[rows] = lse[rows] - (p * logits).nansum(-1)
+                    product = p * logits if keep_probs else p.mul_(logits)  # the kept softmax is never written
+                    entropy[rows] = lse[rows] - product.nansum(-1)
         ctx.save_for_backward(hidden, weight, tokens, lse, probs)
         ctx.temperature, ctx.chunk_rows, ctx.dtype, ctx.keep_probs = temperature, chunk_rows, dtype, keep_probs
         ctx.mark_non_differentiable(entropy)
