@@ -151,6 +151,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         loss_type=args.loss_type, credit=args.credit, micro_batch_size=args.micro_batch_size,
         rewards=[REWARDS[args.reward]()],
         guidance=args.guidance, guidance_final=args.guidance_final, guidance_decay_steps=args.guidance_decay_steps,
+        guidance_loss=args.guidance_loss,
         reference_in_group=args.reference_in_group, shaping_gamma=args.shaping_gamma,
         merged_copy=args.merged_copy, importance_sampling_cap=args.importance_sampling_cap,
     )  # fmt: skip
@@ -279,9 +280,12 @@ def main() -> None:
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
     parser.add_argument("--template", default="compact", help="prompt template")
     parser.add_argument("--reward", choices=sorted(REWARDS), default="alignment", help="the GRPO arms' reward")
-    parser.add_argument("--guidance", type=float, default=0.0, help="mu of the reference guidance (CHORD-phi); 0: off")
+    parser.add_argument("--guidance", type=float, default=0.0, help="mu of the reference guidance (CHORD); 0: off")
     parser.add_argument("--guidance-final", type=float, default=0.0, help="mu after --guidance-decay-steps")
     parser.add_argument("--guidance-decay-steps", type=int, default=0, help="GRPO steps of mu's cosine; 0: constant")
+    parser.add_argument(
+        "--guidance-loss", choices=["phi", "ce"], default="phi", help="phi: CHORD-phi's weighted term; ce: plain"
+    )
     parser.add_argument(
         "--reference-in-group", action="store_true", help="the known answer joins each group (LUFFY); default: off"
     )

@@ -350,7 +350,8 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             totals["loss"] += totals["reference_loss"] * weight
             totals["reference_advantage"] = reference.mean().item()
         if mu > 0:
-            totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, phi_sft_loss)
+            supervised = phi_sft_loss if loss.guidance_loss == "phi" else grpo.sft_loss  # CHORD-phi, CHORD-mu
+            totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, supervised)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         advantages = advantages.abs()

@@ -27,10 +27,10 @@ model:
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
 The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `Credit`,
-`LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups existed hold the
-first five flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...); `legacy.grouped_hparams` puts them
-into their groups. The classes also stay importable from the modules that held them before
-(`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
+`GuidanceLoss`, `LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups
+existed hold the first five flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...);
+`legacy.grouped_hparams` puts them into their groups. The classes also stay importable from the modules that held
+them before (`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 AdvantageSign = Literal["both", "positive", "negative"]
 Credit = Literal["sequence", "word", "position", "pair"]
+GuidanceLoss = Literal["phi", "ce"]
 LrSchedule = Literal["cosine", "constant"]
 
 
@@ -164,6 +165,8 @@ class Loss:
             target token in any gradient.
         guidance_final: mu after `guidance_decay_steps` GRPO steps.
         guidance_decay_steps: GRPO steps of mu's cosine decay from `guidance` to `guidance_final`; 0 keeps `guidance`.
+        guidance_loss: The supervised term: "phi" (default), each target token's cross-entropy weighted by ``p * (1 -
+            p)`` (CHORD-phi); "ce", the plain cross-entropy of the warm start (CHORD-mu).
         reference_in_group: The known answer joins each group as one more member with its reward, and its tokens are
             learned through policy shaping (LUFFY, `algorithm/guidance.py`); the loss is ``G / (G + 1)`` of GRPO's on
             the samples plus ``1 / (G + 1)`` of the reference's. False (default): pure GRPO. Needs `credit:
@@ -185,6 +188,7 @@ class Loss:
     guidance: float = 0.0
     guidance_final: float = 0.0
     guidance_decay_steps: int = 0
+    guidance_loss: GuidanceLoss = "phi"
     reference_in_group: bool = False
     shaping_gamma: float = 0.1
 

@@ -59,7 +59,8 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
 
 
 CHOICES = ["model.loss.loss_type", "model.loss.kl_estimator", "model.loss.scale_rewards",
-           "model.loss.advantage_estimator", "model.optimization.lr_schedule", "model.rollout_engine",
+           "model.loss.advantage_estimator", "model.loss.guidance_loss", "model.optimization.lr_schedule",
+           "model.rollout_engine",
            "data.curriculum.on_collapse", "data.template", "data.predict_split"]  # fmt: skip
 
 

@@ -1,5 +1,5 @@
-"""Reference guidance (CHORD-phi): the weight's schedule, the phi-weighted loss by hand, and that it alone moves the
-policy when the group has nothing to teach."""
+"""Reference guidance (CHORD): the weight's schedule, the phi-weighted loss by hand, that it alone moves the policy
+when the group has nothing to teach, and that the plain cross-entropy (CHORD-mu) is the term when asked."""
 
 from __future__ import annotations
 
@@ -59,6 +59,17 @@ def test_only_the_guidance_moves_the_policy_when_every_answer_scores_alike(make_
     assert ("train/guidance" in logged) == (guidance > 0)
     if guidance:
         assert logged["train/guidance"].item() == 0.5 and logged["train/guidance_loss"].item() > 0
+
+
+def test_the_plain_cross_entropy_is_the_term_when_asked(make_module, make_datamodule):
+    # phi = p (1 - p) <= 1/4 weighs every token of CHORD-phi's term, so on the same batch and weights the plain
+    # cross-entropy (CHORD-mu) is at least four times it; the same function for both would give equal values
+    terms = {}
+    for name in ("phi", "ce"):
+        module = make_module(rewards=[Same()], beta=0.0, guidance=1.0, guidance_loss=name, seed=3)
+        trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
+        terms[name] = trainer.callback_metrics["train/guidance_loss"].item()
+    assert terms["phi"] > 0 and terms["ce"] >= 4 * terms["phi"]
 
 
 @pytest.mark.parametrize("name", ["guidance", "guidance_final"])
