@@ -10,8 +10,9 @@ Every prompt of this task has its answer, so the loss can learn from it as well 
 steps (CHORD's global schedule, without its warm-up). The supervised term weighs each target token by
 ``phi = p * (1 - p)`` (CHORD-phi, p the policy's probability of the token, no gradient through phi): tokens the policy
 already predicts (p near 1) and tokens far from anything it would say (p near 0) teach little, so the expert data
-shapes the policy where it is uncertain rather than overwriting it. `mu = 0` is pure GRPO: no target token in any
-gradient.
+shapes the policy where it is uncertain rather than overwriting it. `loss.guidance_loss: ce` takes the plain
+cross-entropy instead (`grpo.sft_loss`, the warm start's; CHORD-mu in the paper). `mu = 0` is pure GRPO: no target
+token in any gradient.
 
 The other way in (`loss.reference_in_group`), LUFFY's off-policy guidance (Yan et al. 2025, "Learning to Reason
 under Off-Policy Guidance", arXiv 2504.14945): the known answer joins each group as one more member with its own
