@@ -146,7 +146,7 @@ def _module(args, seed: int, **overrides) -> InterleaveGRPO:
         model_name_or_path=args.model, dtype=None if args.model == "tiny" else "float32", lora=lora,
         tiny=tiny, template=args.template, seed=seed, num_generations=args.num_generations,
         temperature=args.temperature, learning_rate=args.learning_rate, sft_learning_rate=args.sft_learning_rate,
-        beta=args.beta, lr_schedule="constant", warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
+        beta=args.beta, lr_schedule=args.lr_schedule, warmup_steps=args.warmup_steps, epsilon_high=args.epsilon_high,
         scale_rewards=args.scale_rewards, advantage_sign=args.advantage_sign, num_iterations=args.num_iterations,
         loss_type=args.loss_type, credit=args.credit, micro_batch_size=args.micro_batch_size,
         rewards=[REWARDS[args.reward]()],
@@ -231,7 +231,8 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
         dm = _datamodule(args, module, stages, seed, curriculum=settings, replay_fraction=replay, eval_stages=lengths)
         callbacks.append(CurriculumCallback(export=False))
     precision = "bf16-mixed" if args.bf16 else "32-true"  # the arm's; a warm start is always float32
-    trainer = _trainer(args, 10**7, callbacks, args.eval_every, precision)
+    max_steps = args.max_steps if args.max_steps and arm != "sft" else 10**7  # else the clock ends the arm
+    trainer = _trainer(args, max_steps, callbacks, args.eval_every, precision)
     trainer.validate(module, datamodule=dm, verbose=False)  # the start of the curve
     trainer.fit(module, datamodule=dm)
     if clock.curve[-1]["step"] != trainer.global_step:
@@ -311,6 +312,14 @@ def main() -> None:
     )
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
+    parser.add_argument(
+        "--lr-schedule", choices=["constant", "cosine"], default="constant",
+        help="GRPO's rate after warm-up: flat, or a cosine to a tenth of it at --max-steps",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-steps", type=int, default=None,
+        help="GRPO steps after which an arm ends even within --minutes (the cosine's horizon); default: the clock's",
+    )  # fmt: skip
     parser.add_argument("--beta", type=float, default=0.01)
     parser.add_argument("--warmup-steps", type=int, default=20, help="linear learning-rate warm-up of each phase")
     parser.add_argument("--temperature", type=float, default=0.5)
