@@ -227,7 +227,8 @@ class Optimization:
             The SFT phase always decays by a cosine over its own `sft_steps`.
         sft_steps: Supervised warm-start steps before GRPO (linked from `data.sft_steps`, which schedules the data).
         max_grad_norm: Gradient clipping norm; 0 disables.
-        micro_batch_size: Rows per forward in the update (gradient accumulation inside a step); None = all rows.
+        micro_batch_size: Rows per forward in the update and in the supervised steps (the warm start, guidance's
+            term): gradient accumulation inside a step, the same gradient; None = all rows.
     """
 
     learning_rate: float = 1e-5

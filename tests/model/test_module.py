@@ -117,6 +117,36 @@ def test_sft_phase_trains_on_target_tokens(make_module, make_datamodule):
     assert any(not torch.equal(v, dict(module.policy.named_parameters())[k]) for k, v in before.items())
 
 
+class Gradients(L.Callback):
+    """The trainable parameters' gradients just before the first optimizer step."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if not hasattr(self, "grads"):
+            self.grads = {k: p.grad.clone() for k, p in pl_module.policy.named_parameters() if p.grad is not None}
+
+
+def test_a_supervised_step_in_micro_batches_has_the_whole_batch_gradient(make_module, make_datamodule, family_folders):
+    # 4 pairs one at a time on a Llama-3-style folder (byte-level BPE: the pairs' targets have different token
+    # counts): each chunk weighted by its share of the target tokens, so the gradient is the one of the 4 at once
+    # (up to summation order), with the activations of one pair held at a time; weighting by rows would differ
+    grads, rows_seen, counts = {}, {}, set()
+    for size in (None, 1):
+        module = make_module(model_name_or_path=str(family_folders["llama3"]), micro_batch_size=size, seed=5)
+        seen = rows_seen.setdefault(size, [])
+        decoder = module.policy.get_decoder()
+        decoder.register_forward_pre_hook(
+            lambda mod, args, kw, seen=seen: seen.append(len(kw["input_ids"])), with_kwargs=True
+        )
+        datamodule, callback = make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=4), Gradients()
+        counts |= {len(ids) for ids in datamodule.collate(datamodule.sample_train_batch(0)[1], "sft")["target_ids"]}
+        _fit(module, datamodule, steps=1, callbacks=[callback])
+        grads[size] = callback.grads
+    assert rows_seen == {None: [4], 1: [1, 1, 1, 1]} and len(counts) > 1
+    assert grads[None].keys() == grads[1].keys() and grads[None]
+    for name, whole in grads[None].items():
+        torch.testing.assert_close(grads[1][name], whole, rtol=1e-4, atol=1e-7)
+
+
 def test_bad_settings_are_refused_before_training(make_module, make_datamodule):
     with pytest.raises(ValueError, match="num_generations must be >= 2"):
         make_module(num_generations=1)
