@@ -104,3 +104,20 @@ def test_a_step_on_a_llama3_folder_learns_its_targets_tokens(family_folders, mak
     logged = trainer.callback_metrics
     assert logged["train/reference_advantage"].item() > 0
     assert math.isfinite(logged["train/reference_loss"].item()) and logged["train/reference_loss"].item() < 0
+
+
+def test_the_reference_term_in_micro_batches_is_the_whole_batch_mean(family_folders, make_datamodule):
+    # LUFFY's loss is a mean over the references (rows): one row at a time, each weighted by its share of the rows,
+    # gives the loss of both at once (a weighting by target tokens, the cross-entropies', would not: BPE lengths differ)
+    from interleave_model.legacy import grouped_hparams
+    from interleave_model.module import InterleaveGRPO
+
+    logged = {}
+    for micro in (None, 1):
+        module = InterleaveGRPO(**grouped_hparams({
+            "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 2,
+            "beta": 0.0, "rewards": [Exact()], "reference_in_group": True, "micro_batch_size": micro,
+        }))  # fmt: skip
+        metrics = fit_one_grpo_step(module, make_datamodule, batch_size=2).callback_metrics
+        logged[micro] = metrics["train/reference_loss"].item(), metrics["train/reference_advantage"].item()
+    assert logged[1] == pytest.approx(logged[None], rel=1e-5)
