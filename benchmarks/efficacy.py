@@ -48,7 +48,7 @@ from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
-from interleave_model.settings import AdvantageSign, Credit, ScaleRewards
+from interleave_model.settings import AdvantageSign, Credit, GuidanceLoss, LrSchedule, ScaleRewards
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
 SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
@@ -285,7 +285,7 @@ def main() -> None:
     parser.add_argument("--guidance-final", type=float, default=0.0, help="mu after --guidance-decay-steps")
     parser.add_argument("--guidance-decay-steps", type=int, default=0, help="GRPO steps of mu's cosine; 0: constant")
     parser.add_argument(
-        "--guidance-loss", choices=["phi", "ce"], default="phi", help="phi: CHORD-phi's weighted term; ce: plain"
+        "--guidance-loss", choices=get_args(GuidanceLoss), default="phi", help="phi: CHORD-phi's term; ce: plain"
     )
     parser.add_argument(
         "--reference-in-group", action="store_true", help="the known answer joins each group (LUFFY); default: off"
@@ -313,7 +313,7 @@ def main() -> None:
     parser.add_argument("--sft-learning-rate", type=float, default=2e-3)
     parser.add_argument("--learning-rate", type=float, default=2e-4)
     parser.add_argument(
-        "--lr-schedule", choices=["constant", "cosine"], default="constant",
+        "--lr-schedule", choices=get_args(LrSchedule), default="constant",
         help="GRPO's rate after warm-up: flat, or a cosine to a tenth of it at --max-steps",
     )  # fmt: skip
     parser.add_argument(

@@ -342,17 +342,16 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
                 totals["engine_logprob_gap"] += gap.item() * token_share
         if reference is not None:
 
-            def shaped(logits: Tensor, labels: Tensor, rows: slice) -> Tensor:  # LUFFY's, at the rollout's temperature
-                return shaped_reference_loss(logits / temperature, labels, reference[rows], loss.shaping_gamma)
+            def shaped(logits: Tensor, labels: Tensor, advantages: Tensor) -> Tensor:  # at the rollout's temperature
+                return shaped_reference_loss(logits / temperature, labels, advantages, loss.shaping_gamma)
 
             weight = (1.0 - samples_share) * (1.0 - mu)
-            totals["reference_loss"] = self._target_backward(batch, weight, shaped, row_mean=True)
+            totals["reference_loss"] = self._target_backward(batch, weight, shaped, per_row=reference)
             totals["loss"] += totals["reference_loss"] * weight
             totals["reference_advantage"] = reference.mean().item()
         if mu > 0:
             supervised = phi_sft_loss if loss.guidance_loss == "phi" else grpo.sft_loss  # CHORD-phi, CHORD-mu
-            term = self._target_backward(batch, mu, lambda logits, labels, _: supervised(logits, labels))
-            totals["guidance"], totals["guidance_loss"] = mu, term
+            totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, supervised)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         advantages = advantages.abs()
@@ -365,7 +364,7 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
         started = time.perf_counter()
         self.optimizers().zero_grad()
-        loss = self._target_backward(batch, 1.0, lambda logits, labels, _: grpo.sft_loss(logits, labels))
+        loss = self._target_backward(batch, 1.0, grpo.sft_loss)
         stats = {"train/sft_loss": loss} | self._step_optimizer(loss, "sft")
         return stats | {"time/update_s": time.perf_counter() - started}
 
@@ -378,15 +377,16 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         return guidance_weight(steps, loss.guidance, loss.guidance_final, loss.guidance_decay_steps)
 
     def _target_backward(
-        self, batch: dict, weight: float, loss_of: Callable[[Tensor, Tensor, slice], Tensor], row_mean: bool = False
+        self, batch: dict, weight: float, loss_of: Callable[..., Tensor], per_row: Tensor | None = None
     ) -> float:
         """Backward of `weight` times a loss of the policy's logits on the batch's known answers and their labels
         (the warm start's cross-entropy, guidance's phi-weighted one, LUFFY's shaped loss); the loss's value.
 
-        Taken `optimization.micro_batch_size` rows at a time, as the update is: `loss_of(logits, labels, rows)` of
-        each chunk counts by its share of the batch's target tokens (a mean over tokens, the cross-entropies) or,
-        with `row_mean`, of its rows (LUFFY's mean over rows), so the gradient is the whole batch's. All rows at
-        once would hold all their activations: 8.3 GB for 16 pairs of SmolLM2 at 10 words, 5.1 GB in chunks of 8.
+        Taken `optimization.micro_batch_size` rows at a time, as the update is: `loss_of(logits, labels)` of each
+        chunk counts by its share of the batch's target tokens (a mean over tokens, the cross-entropies); with
+        `per_row` ([B], LUFFY's advantages), `loss_of(logits, labels, per_row[rows])` counts by its share of the rows
+        (a mean over rows), so the gradient is the whole batch's. All rows at once would hold all their
+        activations: 8.3 GB for 16 pairs of SmolLM2 at 10 words, 5.1 GB in chunks of 8.
         """
         input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T], [B, T]
         counted = labels != -100  # [B, T]
@@ -394,8 +394,10 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
         total = 0.0
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
             logits = completion_logits(self.policy, input_ids[rows], attention_mask[rows], width=labels.shape[1])
-            share = (rows.stop - rows.start) / n_rows if row_mean else (counted[rows].sum() / n_tokens).item()
-            loss = loss_of(logits, labels[rows], rows) * share  # logits [b, T, V]
+            if per_row is None:
+                loss = loss_of(logits, labels[rows]) * (counted[rows].sum() / n_tokens).item()  # logits [b, T, V]
+            else:
+                loss = loss_of(logits, labels[rows], per_row[rows]) * ((rows.stop - rows.start) / n_rows)
             self.manual_backward(loss * weight)
             total += loss.item()
         return total
