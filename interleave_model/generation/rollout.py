@@ -91,7 +91,9 @@ def sample(
         G = num_generations
         positions = position_ids(prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
-        cache, grouped = rollout_cache(model, capacity=prompt_length + max_new_tokens, group=G)
+        # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
+        shared = getattr(getattr(model, "config", None), "_attn_implementation", None) == GROUPED_DECODE
+        cache, grouped = rollout_cache(model, capacity=prompt_length + max_new_tokens, group=G, shared=shared)
         out = model(
             input_ids=prompt_ids,
             attention_mask=prompt_mask,
@@ -121,12 +123,10 @@ def sample(
         for step in range(max_new_tokens):
             # one number per row of the batch, whatever rows are retired, so each row draws the same numbers
             uniform = None if temperature == 0 else _uniform(n, generator, logits.device)[rows]  # [R, 1]
-            picked = _pick(logits, temperature, top_p, top_k, uniform)  # [R]
+            picked, picked_logprobs = _pick(logits, temperature, top_p, top_k, uniform, with_logprobs)  # [R] each
             token = torch.where(finished, pad, pad.index_put((rows,), picked))  # [P*G]
             tokens.append(token)
             if with_logprobs:
-                scaled = logits.float() / (temperature or 1.0)  # [R, V]
-                picked_logprobs = scaled.log_softmax(-1).gather(-1, picked[:, None])[:, 0]  # [R]
                 logprobs.append(torch.zeros(n, device=logits.device).index_put((rows,), picked_logprobs))
             finished |= torch.isin(token, stops)
             if step == max_new_tokens - 1:  # no forward whose logits nobody reads
@@ -238,14 +238,25 @@ def decode(tokenizer, ids: Sequence[int]) -> str:
     return " ".join(text.split())
 
 
-def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, uniform: Tensor | None) -> Tensor:
+def _pick(
+    logits: Tensor, temperature: float, top_p: float, top_k: int, uniform: Tensor | None, with_logprobs: bool = False
+) -> tuple[Tensor, Tensor | None]:
     """Next token per row from `logits` [N, V]: argmax at temperature 0, else a sample after top-k / top-p drawn with
-    the row's number of `uniform` [N, 1] (in [0, 1))."""
+    the row's number of `uniform` [N, 1] (in [0, 1)). `logits` may be overwritten: the caller reads them no more.
+
+    With `with_logprobs`, also each token's log-prob as the trainer scores it, log_softmax(logits / temperature)
+    before top-k / top-p (temperature 0: of the logits). Without top-k / top-p it comes from the sampling weights
+    themselves, log(weight of the token / total weight), so no second pass over the vocabulary is made for it.
+    """
     if temperature == 0:
-        return logits.argmax(-1)
-    # the caller's logits are read again (the log-probs): a new tensor only, then the rest in place (a fresh
-    # [N, V] float32 buffer per operation costs more than the operation on a CPU)
-    logits = logits / temperature if logits.dtype == torch.float32 else logits.float().div_(temperature)  # [N, V]
+        picked = logits.argmax(-1)
+        return picked, _logprobs_of(logits, picked, 1.0) if with_logprobs else None
+    cut = bool(top_k and top_k < logits.shape[-1]) or top_p < 1.0
+    full = _logprobs_of(logits, None, temperature) if with_logprobs and cut else None  # [N, V], before the cuts
+    # float32 in place: a fresh [N, V] float32 buffer per operation costs more than the operation on a CPU
+    logits = logits.float()  # [N, V]; the caller's own tensor when it is float32 already
+    if temperature != 1.0:
+        logits.div_(temperature)
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
         logits.masked_fill_(logits < kth, -math.inf)
@@ -256,11 +267,24 @@ def _pick(logits: Tensor, temperature: float, top_p: float, top_k: int, uniform:
         drop = (probs.cumsum(-1) - probs) > top_p
         logits.scatter_(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     # unnormalised probabilities are enough: _draw scales its uniform number by their total
-    return _draw(logits.sub_(logits.amax(-1, keepdim=True)).exp_(), uniform)
+    weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # [N, V]
+    picked, total = _draw(weights, uniform)  # [N], [N] float64
+    if not with_logprobs:
+        return picked, None
+    if full is not None:
+        return picked, full.gather(-1, picked[:, None])[:, 0]
+    return picked, (weights.gather(-1, picked[:, None])[:, 0].double().log() - total.log()).float()
 
 
-def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
-    """One token per row, with probability proportional to `weights` [N, V] (>= 0), by inverting the CDF.
+def _logprobs_of(logits: Tensor, picked: Tensor | None, temperature: float) -> Tensor:
+    """log_softmax(logits / temperature) [N, V] in float32, or its entries at `picked` [N] when given."""
+    scaled = (logits.float() / temperature).log_softmax(-1)  # [N, V]
+    return scaled if picked is None else scaled.gather(-1, picked[:, None])[:, 0]
+
+
+def _draw(weights: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
+    """One token per row, with probability proportional to `weights` [N, V] (>= 0), by inverting the CDF; and each
+    row's total weight [N] (float64).
 
     `torch.multinomial` draws an exponential number for every vocabulary entry, which made it the largest single cost
     of a CPU rollout (about 10x this). Here one uniform number per row picks a block of `_BLOCK` tokens on the float64
@@ -285,7 +309,7 @@ def _draw(weights: Tensor, uniform: Tensor) -> Tensor:
     inside = weights.gather(-1, columns.clamp(max=vocab - 1)).masked_fill(columns >= vocab, 0.0)  # [N, B]
     within = inside.double().cumsum(-1)  # [N, B]
     rest = torch.minimum(u - before, torch.nextafter(within[:, -1:], torch.zeros_like(u)))  # [N, 1]
-    return block[:, 0] * _BLOCK + torch.searchsorted(within, rest, right=True)[:, 0]  # [N]
+    return block[:, 0] * _BLOCK + torch.searchsorted(within, rest, right=True)[:, 0], total[:, 0]
 
 
 def _mask_through_stop(completion_ids: Tensor, stops: Tensor) -> Tensor:

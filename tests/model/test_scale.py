@@ -311,7 +311,8 @@ def test_sampler_draws_in_proportion_and_never_a_zero_weight_token():
     weights = torch.zeros(vocab)
     weights[[0, 255, 256, 300, vocab - 1]] = torch.tensor([3.0, 1.0, 2.0, 0.5, 3.5])  # total 10
     uniform = _uniform(100_000, torch.Generator().manual_seed(0), weights.device)  # [100k, 1]
-    draws = _draw(weights.expand(100_000, vocab).contiguous(), uniform)
+    draws, totals = _draw(weights.expand(100_000, vocab).contiguous(), uniform)
+    assert totals.dtype == torch.float64 and torch.equal(totals, torch.full((100_000,), 10.0, dtype=torch.float64))
     counts = torch.bincount(draws, minlength=vocab).double() / draws.numel()
     assert counts[weights == 0].sum() == 0
     # binomial standard error at 100k draws is at most 0.0016

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from interleave_data.prompts import format_prompt
-from interleave_model.generation.rollout import _mask_through_stop, completion_texts, rollout, sample, token_budget
+from interleave_model.generation.rollout import (
+    _mask_through_stop,
+    _pick,
+    _uniform,
+    completion_texts,
+    rollout,
+    sample,
+    token_budget,
+)
 from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
 
 
@@ -276,3 +284,23 @@ def test_retiring_rows_leaves_sampled_answers_unchanged(family_folders):
     assert min(rows[1:]) < 8, "rows must have been retired"  # rows[0]: the prefill's
     assert len(set(map(tuple, retired.tolist()))) == 8, "every row its own answer"
     assert torch.equal(retired, draw(check_every=30))  # no look before the end: every row runs to the end
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.7, 0, 1.0), (0.7, 50, 0.9), (0.0, 0, 1.0)]
+)
+def test_the_sampled_tokens_log_probs_are_the_trainers_scores_and_leave_the_tokens_unchanged(
+    dtype, temperature, top_k, top_p
+):
+    # the log-probs come from the sampling weights when nothing is cut: they must equal log_softmax(logits / T) at the
+    # token, with top-k / top-p (scored before the cuts) and greedy, and asking for them must not move the tokens
+    torch.manual_seed(0)
+    logits = (torch.randn(16, 1000) * 4).to(dtype)
+    uniform = _uniform(16, torch.Generator().manual_seed(1), logits.device)
+    picked, logprobs = _pick(logits.clone(), temperature, top_p, top_k, uniform, with_logprobs=True)
+    alone, none = _pick(logits.clone(), temperature, top_p, top_k, uniform)
+    assert torch.equal(picked, alone) and none is None
+    expected = (logits.float() / (temperature or 1.0)).log_softmax(-1).gather(-1, picked[:, None])[:, 0]
+    assert logprobs.dtype == torch.float32
+    torch.testing.assert_close(logprobs, expected, atol=2e-5, rtol=0)
