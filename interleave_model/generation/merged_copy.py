@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import is_peft
 
 GROUPED_DECODE = "grouped_decode"  # the attention implementation the copy runs under (masks built as for SDPA)
@@ -42,24 +43,68 @@ def grouped_decode_attention(
     """Attention of one query position per row against the cache, as transformers' attention functions are called.
 
     query [B, H, 1, D], key / value [B, K, L, D] with H a multiple of K; `attention_mask` SDPA's boolean [B, 1, 1, L]
-    (True: attend) or None. Returns ([B, 1, H, D], None). Scores and softmax are float32 whatever the dtype.
+    (True: attend) or None. Returns ([B, 1, H, D], None). Scores and softmax are float32 whatever the dtype. Keys and
+    values may come as `SharedPrefix` (the rollout cache's prompts kept once per group): each prompt is then scored
+    once for its whole group.
     """
     unsupported = {name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None}
     if query.shape[2] != 1 or dropout or unsupported:
+        if isinstance(key, SharedPrefix):
+            key, value = key.materialize(), value.materialize()
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # fmt: skip
     b, h, _, d = query.shape
-    k = key.shape[1]
+    k = key.prompt.shape[1] if isinstance(key, SharedPrefix) else key.shape[1]
     scale = d**-0.5 if scaling is None else scaling
     grouped = query.reshape(b, k, h // k, d)  # query heads h*K/H .. of KV head k side by side: [B, K, H/K, D]
-    # key @ query^T, then the small result transposed: query @ key^T would copy the transposed cache at every step
-    scores = torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale  # [B, K, H/K, L]
-    if attention_mask is not None:
-        mask = attention_mask[..., -1:, : key.shape[-2]]  # [B, 1, 1, L]
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
-    weights = scores.softmax(-1).to(value.dtype)
+    if isinstance(key, SharedPrefix):
+        return _shared_prefix_attention(grouped, key, value, attention_mask, scale).reshape(b, 1, h, d), None
+    scores = _scores(key, grouped, scale)  # [B, K, H/K, L]
+    weights = _masked_softmax(scores, attention_mask).to(value.dtype)
     out = torch.matmul(weights, value)  # [B, K, H/K, D]
     return out.reshape(b, 1, h, d), None
+
+
+def _scores(key: Tensor, grouped: Tensor, scale: float) -> Tensor:
+    """key [B, K, L, D] against grouped queries [B, K, Q, D]: [B, K, Q, L] float32, scaled. key @ query^T, then the
+    small result transposed: query @ key^T would copy the transposed cache at every step."""
+    return torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale
+
+
+def _masked_softmax(scores: Tensor, attention_mask: Tensor | None) -> Tensor:
+    """Softmax of `scores` [B, K, Q, L] over L, under SDPA's mask [B, 1, 1, >= L] (boolean: True attends, or
+    additive) or None."""
+    if attention_mask is not None:
+        mask = attention_mask[..., -1:, : scores.shape[-1]]  # [B, 1, 1, L]
+        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1)
+
+
+def _shared_prefix_attention(
+    grouped: Tensor, key: SharedPrefix, value: SharedPrefix, attention_mask: Tensor | None, scale: float
+) -> Tensor:
+    """One query per row against a prompt shared by each group of G rows and the row's own completion.
+
+    grouped [B, K, Q, D] (B = P*G rows, group-major; Q query heads per KV head); key / value prompt [P, K, Lp, D],
+    rows [B, K, n, D]. The prompt part runs once per group with its G rows' queries side by side ([P, K, G*Q, D]),
+    so its keys and values are read once, not G times; one softmax covers both parts. Returns [B, K, Q, D].
+    """
+    b, k, q, d = grouped.shape
+    p, _, length, _ = key.prompt.shape
+    g = b // p
+
+    def by_group(x: Tensor) -> Tensor:  # [B, K, Q, X] -> [P, K, G*Q, X]
+        return x.reshape(p, g, k, q, -1).transpose(1, 2).reshape(p, k, g * q, -1)
+
+    def by_row(x: Tensor) -> Tensor:  # [P, K, G*Q, X] -> [B, K, Q, X]
+        return x.reshape(p, k, g, q, -1).transpose(1, 2).reshape(b, k, q, -1)
+
+    scores = torch.cat([by_row(_scores(key.prompt, by_group(grouped), scale)), _scores(key.rows, grouped, scale)],
+                       dim=-1)  # fmt: skip  # [B, K, Q, Lp + n]
+    weights = _masked_softmax(scores, attention_mask).to(value.rows.dtype)
+    prompt_weights, row_weights = weights.split([length, weights.shape[-1] - length], dim=-1)
+    out = by_row(torch.matmul(by_group(prompt_weights), value.prompt))  # [B, K, Q, D]
+    return out + torch.matmul(row_weights, value.rows)
 
 
 AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)

@@ -11,6 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
 from interleave_model.generation.rollout import sample
+from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
 from interleave_model.settings import LoraSettings, Sampling, SettingsError
 
@@ -104,6 +105,25 @@ def test_grouped_decode_attention_is_sdpa_with_grouped_query_heads(dtype):
             expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.3,
                                                       enable_gqa=True).transpose(1, 2)  # fmt: skip
         torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [True, False])
+def test_grouped_decode_attention_on_a_shared_prompt_is_attention_on_each_rows_keys(dtype, masked):
+    # 3 prompts of 5 positions (prompt 1 left-padded by 2), G = 4 rows each with 3 positions of their own: each prompt
+    # scored once for its group must give each row what SDPA gives on the row's prompt and completion put together
+    torch.manual_seed(0)
+    query = torch.randn(12, 6, 1, 16, dtype=dtype)
+    key, value = (SharedPrefix(torch.randn(3, 2, 5, 16, dtype=dtype), torch.randn(12, 2, 3, 16, dtype=dtype))
+                  for _ in range(2))  # fmt: skip
+    mask = torch.ones(12, 1, 1, 9, dtype=torch.bool)  # longer than the keys, as the rollout's mask is
+    mask[4:8, ..., :2] = False
+    expected = F.scaled_dot_product_attention(query.float(), key.materialize().float(), value.materialize().float(),
+                                              attn_mask=mask[..., :8] if masked else None, scale=0.3,
+                                              enable_gqa=True).transpose(1, 2)  # fmt: skip
+    out, _ = grouped_decode_attention(torch.nn.Module(), query, key, value, mask if masked else None, scaling=0.3)
+    assert out.shape == (12, 1, 6, 16) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 
 def test_grouped_decode_attention_never_transposes_the_cache():
