@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from interleave_data.prompts import format_prompt
+from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout import (
     _mask_through_stop,
     _pick,
@@ -244,7 +245,9 @@ def _stop_after_tokens_divisible_by(model, stop: int, divisor: int) -> list[int]
     return rows
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+# grouped_decode: the merged copy's attention, under which the rollout shares each prompt's cache across its group
+# (SharedPrefix) until the first retirement writes the per-row layout
+@pytest.mark.parametrize("attention", ["sdpa", "eager", GROUPED_DECODE])
 def test_greedy_with_left_padding_and_retired_rows_matches_hf_generate(family, attention):
     model, tok = load_pretrained(str(family[1]), attn_implementation=attention)
     _spread_weights(model)
