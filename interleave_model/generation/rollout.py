@@ -93,7 +93,7 @@ def sample(
         positions = position_ids(prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
-        shared = getattr(getattr(model, "config", None), "_attn_implementation", None) == GROUPED_DECODE
+        shared = _attention_implementation(model) == GROUPED_DECODE
         cache, grouped = rollout_cache(model, capacity=prompt_length + max_new_tokens, group=G, shared=shared)
         out = model(
             input_ids=prompt_ids,
@@ -172,7 +172,7 @@ def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Ten
     """
     if not padded:
         return None
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    implementation = _attention_implementation(model)
     if implementation in ("sdpa", GROUPED_DECODE):
         return attention.bool()[:, None, None, :]
     if implementation == "eager":
@@ -180,6 +180,11 @@ def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Ten
         additive = torch.zeros(attention.shape, dtype=dtype, device=attention.device)
         return additive.masked_fill_(attention == 0, torch.finfo(dtype).min)[:, None, None, :]
     return attention
+
+
+def _attention_implementation(model: torch.nn.Module) -> str | None:
+    """The attention implementation the model runs under (`config._attn_implementation`), None without a config."""
+    return getattr(getattr(model, "config", None), "_attn_implementation", None)
 
 
 def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> Tensor:
