@@ -9,7 +9,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from interleave_model.algorithm.logprobs import token_logprobs
 from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout_cache import rollout_cache
 
@@ -256,37 +255,36 @@ def _pick(
     """
     if temperature == 0:
         picked = logits.argmax(-1)
-        return picked, _scored(logits, picked, 1.0) if with_logprobs else None
-    top_k = top_k if top_k < logits.shape[-1] else 0
-    scored_after = with_logprobs and bool(top_k or top_p < 1.0)  # the trainer's score, of the logits before the cuts
+        return picked, _logprobs_of(logits, picked, 1.0) if with_logprobs else None
+    cut = bool(top_k and top_k < logits.shape[-1]) or top_p < 1.0
+    full = _logprobs_of(logits, None, temperature) if with_logprobs and cut else None  # [N, V], before the cuts
     # float32 in place: a fresh [N, V] float32 buffer per operation costs more than the operation on a CPU
-    work = logits.float()  # [N, V]; the caller's own tensor when it is float32 already
-    if scored_after and work is logits:
-        work = logits.clone()
+    logits = logits.float()  # [N, V]; the caller's own tensor when it is float32 already
     if temperature != 1.0:
-        work.div_(temperature)
-    if top_k:
-        kth = torch.topk(work, top_k, dim=-1).values[:, -1:]  # [N, 1]
-        work.masked_fill_(work < kth, -math.inf)
+        logits.div_(temperature)
+    if top_k and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logits.masked_fill_(logits < kth, -math.inf)
     if top_p < 1.0:
-        sorted_logits, order = work.sort(dim=-1, descending=True)  # [N, V]
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V]
         probs = sorted_logits.softmax(-1)
         # drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays)
         drop = (probs.cumsum(-1) - probs) > top_p
-        work.scatter_(-1, order, sorted_logits.masked_fill(drop, -math.inf))
+        logits.scatter_(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     # unnormalised probabilities are enough: _draw scales its uniform number by their total
-    weights = work.sub_(work.amax(-1, keepdim=True)).exp_()  # [N, V]
+    weights = logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # [N, V]
     picked, total = _draw(weights, uniform)  # [N], [N] float64
     if not with_logprobs:
         return picked, None
-    if scored_after:
-        return picked, _scored(logits, picked, temperature)
+    if full is not None:
+        return picked, full.gather(-1, picked[:, None])[:, 0]
     return picked, (weights.gather(-1, picked[:, None])[:, 0].double().log() - total.log()).float()
 
 
-def _scored(logits: Tensor, picked: Tensor, temperature: float) -> Tensor:
-    """The trainer's log-prob of each row's `picked` token [N] under `logits` [N, V] at `temperature`: [N] float32."""
-    return token_logprobs(logits[:, None], picked[:, None], temperature)[:, 0]
+def _logprobs_of(logits: Tensor, picked: Tensor | None, temperature: float) -> Tensor:
+    """log_softmax(logits / temperature) [N, V] in float32, or its entries at `picked` [N] when given."""
+    scaled = (logits.float() / temperature).log_softmax(-1)  # [N, V]
+    return scaled if picked is None else scaled.gather(-1, picked[:, None])[:, 0]
 
 
 def _draw(weights: Tensor, uniform: Tensor) -> tuple[Tensor, Tensor]:
