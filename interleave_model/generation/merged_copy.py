@@ -10,9 +10,6 @@ Decoding in bfloat16 with torch's scaled-dot-product attention is slow on a CPU 
 float32 one for one query against a GQA cache), so the copy's one-query steps attend by `grouped_decode_attention`:
 two matmuls with each KV head's query heads side by side, no repeated KV. Longer queries (the prefill) and any
 attention with options it does not implement (soft-capping, sinks) go to transformers' SDPA as before.
-
-A float32 copy on a CPU with MKL multiplies by weights laid out once per rollout for its decode batch
-(`packed_linear.py`): the same products, a faster matmul.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from interleave_model.generation.packed_linear import pack_linears, packing_available, use_packed_linears
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import is_peft
 
@@ -134,22 +130,14 @@ class MergedCopy:
             pass
         self.version: object = None  # the policy's weights the copy holds (the module's global step)
         self._sources = _sources(policy, self.model)
-        packable = dtype == "float32" and packing_available()
-        self._packed = use_packed_linears(self.model) if packable else []
-        self._rows: int | None = None  # the row count the packed weights are laid out for
 
     @torch.no_grad()
-    def refresh(self, version: object, rows: int | None = None) -> torch.nn.Module:
-        """The copy, holding the policy's weights of `version` (merged and cast again only when it changed); its
-        linear layers packed for decode steps of `rows` rows when given and MKL has a packed GEMM."""
-        changed = version != self.version or version is None
-        if changed:
+    def refresh(self, version: object) -> torch.nn.Module:
+        """The copy, holding the policy's weights of `version` (merged and cast again only when it changed)."""
+        if version != self.version or version is None:
             for target, weight in self._sources:
                 target.copy_(weight())
             self.version = version
-        if self._packed and (changed or rows != self._rows):
-            pack_linears(self._packed, rows)
-            self._rows = rows
         return self.model
 
 

@@ -74,8 +74,7 @@ class Sampler:
             model = self.policy
             if training and self.sampling.merged_copy is not None:
                 self.copy = self.copy or MergedCopy(self.policy, self.sampling.merged_copy)
-                rows = len(batch["prompt_ids"]) * num_generations  # the decode steps' batch
-                model, kwargs["with_logprobs"] = self.copy.refresh(version, rows=rows), True
+                model, kwargs["with_logprobs"] = self.copy.refresh(version), True
             return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
         engine = self._vllm_engine(version, rank)
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)

@@ -10,7 +10,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
-from interleave_model.generation.packed_linear import PackedLinear, packing_available
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
@@ -60,30 +59,9 @@ def test_a_float32_copy_is_the_policy_and_follows_its_updates(lora_policy):
             assert torch.equal(parameter, base[name]), name
 
 
-@pytest.mark.skipif(not packing_available(), reason="this torch has no MKL (packed GEMM)")
-def test_a_packed_float32_copy_is_the_policy_on_decode_steps_and_packs_its_updates(lora_policy):
-    policy, _, _ = lora_policy
-    copy = MergedCopy(policy, "float32")
-    tokens = torch.arange(3, 8)[:, None]  # 5 rows of one token: every linear layer gets 5 rows, as in a decode step
-
-    def logits(model) -> torch.Tensor:
-        with torch.no_grad():
-            return model(input_ids=tokens).logits
-
-    model = copy.refresh(version=0, rows=5)
-    assert [m for m in model.modules() if isinstance(m, PackedLinear) and m.packed is not None]
-    torch.testing.assert_close(logits(model), logits(policy), atol=1e-4, rtol=0)
-    with torch.no_grad():  # an update moves the adapter: a new version is merged and packed again
-        for name, parameter in policy.named_parameters():
-            if "lora_A" in name:
-                parameter.add_(0.1)
-    copy.refresh(version=1, rows=5)
-    torch.testing.assert_close(logits(model), logits(policy), atol=1e-4, rtol=0)
-
-
 def test_a_float32_copy_samples_what_the_policy_samples_with_its_log_probs(lora_policy):
     policy, tok, prompts = lora_policy
-    model = MergedCopy(policy, "float32").refresh(version=0, rows=6)  # packed for the decode steps' 2 x 3 rows
+    model = MergedCopy(policy, "float32").refresh(version=0)
     stops = stop_token_ids(policy, tok)
     kwargs = {"num_generations": 3, "max_new_tokens": 12, "stop_ids": stops, "pad_token_id": tok.pad_token_id or 0,
               "temperature": 0.8, "with_logprobs": True}  # fmt: skip
