@@ -159,17 +159,20 @@ def _check_tiny_vocabulary(hparams: dict, data) -> None:
             )
 
 
-def main(args: list[str] | None = None) -> InterleaveCLI:
-    """Run the CLI; `args` replaces sys.argv (tests call `main([...])`). Quiet unless `LOGLEVEL` is set."""
+def main(args: list[str] | None = None, callbacks: list[Callback] | None = None) -> InterleaveCLI:
+    """Run the CLI; `args` replaces sys.argv (tests call `main([...])`). Quiet unless `LOGLEVEL` is set.
+
+    `callbacks` join the config's (benchmarks add their clock this way, so an arm runs as the config says)."""
     configure_console()
     check_moved_keys(sys.argv[1:] if args is None else args)
+    defaults = {"enable_model_summary": False}  # quiet by default; its FLOPs column reads 0 here
     return InterleaveCLI(
         InterleaveGRPO,
         InterleaveDataModule,
         trainer_class=InterleaveTrainer,
         args=args,
         save_config_kwargs={"overwrite": True},
-        trainer_defaults={"enable_model_summary": False},  # quiet by default; its FLOPs column reads 0 here
+        trainer_defaults=defaults | ({"callbacks": callbacks} if callbacks else {}),
     )
 
 

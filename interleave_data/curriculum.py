@@ -2,7 +2,7 @@
 
 Plain Python, no torch and no Lightning, so each decision is tested on its own: `Curriculum.observe` takes one GRPO
 batch's counts (`StepCounts`, already summed over ranks) and returns a `Decision`; the DataModule asks
-`Curriculum.draw_stage(k)` which stage batch k is drawn at, and checkpoints `state_dict()`.
+`Curriculum.draw_length(k)` which length batch k is drawn at, and checkpoints `state_dict()`.
 """
 
 from __future__ import annotations
@@ -12,19 +12,29 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, get_args
 
 from interleave_data.corpus import CorpusError
+from interleave_data.length_schedule import AdaptiveLength, next_level, replay_range, words_of
 from interleave_data.pairs import check_length
 
 OnCollapse = Literal["raise_temperature", "step_back", "stop"]
-DecisionKind = Literal["none", "advance", "step_back", "raise_temperature", "done", "stop", "warm_start_end"]
+DecisionKind = Literal[
+    "none", "advance", "milestone", "step_back", "raise_temperature", "done", "stop", "warm_start_end"
+]
 
 
 @dataclass(frozen=True)
 class CurriculumSettings:
-    """When a stage is learned and how a collapse is answered.
+    """When a stage is learned (or the length moves) and how a collapse is answered.
 
-    A stage is learned when, after `min_steps` GRPO batches at it, the rolling mean reward of its rows (over `window`
-    batches) has stayed at or above `threshold` for `patience` batches, and, if `val_threshold` is set, the last
-    validation score at its length reaches it. Training then moves to the next stage.
+    Two schedules. With `adaptive` unset, the fixed stages: a stage is learned when, after `min_steps` GRPO batches
+    at it, the rolling mean reward of its rows (over `window` batches) has stayed at or above `threshold` for
+    `patience` batches, and, if `val_threshold` is set, the last validation score at its length reaches it. Training
+    then moves to the next stage.
+
+    With `adaptive` set, the training length follows the sampled success rate after every GRPO batch
+    (`interleave_data.length_schedule`, after AdaRFT), and the stages become milestones: the length stays at or under
+    the first milestone not yet passed, which passes when the held-out score at its length reaches `val_threshold`
+    (or, with `val_threshold` None, when the length reaches it). A passed milestone is exported and announced as a
+    stage end is; `threshold`, `patience` and `min_steps` are the fixed stages' and unused here.
 
     The supervised warm-start (`data.sft_steps` batches) may end earlier: with `warm_start_until` set, GRPO starts
     after the first validation whose score at the first stage reaches it, so the policy starts GRPO where a
@@ -40,7 +50,8 @@ class CurriculumSettings:
         patience: Consecutive batches at or above the threshold; one value or one per stage.
         min_steps: GRPO batches at a stage before it may end; one value or one per stage.
         window: Batches in the rolling mean reward.
-        val_threshold: Validation score at the stage's length also required to move on; None = not required.
+        val_threshold: Validation score at the stage's length also required to move on (adaptive: to pass the
+            milestone); one value or one per stage; None = not required.
         collapse_share: Share of stuck groups that makes a batch count as collapsed, in (0, 1].
         collapse_patience: Consecutive collapsed batches before a response.
         on_collapse: "raise_temperature" (by `temperature_step`, up to `max_temperature`), "step_back" (to the
@@ -51,13 +62,15 @@ class CurriculumSettings:
         stop_when_done: Stop training when the last stage is learned.
         warm_start_until: End the warm-start at the first validation whose score at the first stage reaches this;
             None = run all of `data.sft_steps`.
+        adaptive: The training length as a difficulty that follows the model (`AdaptiveLength`); None = fixed
+            stages.
     """
 
     threshold: float | list[float] = 0.9
     patience: int | list[int] = 20
     min_steps: int | list[int] = 50
     window: int = 10
-    val_threshold: float | None = None
+    val_threshold: float | list[float] | None = None
     collapse_share: float = 0.8
     collapse_patience: int = 10
     on_collapse: OnCollapse = "raise_temperature"
@@ -66,6 +79,7 @@ class CurriculumSettings:
     max_collapse_responses: int = 3
     stop_when_done: bool = False
     warm_start_until: float | None = None
+    adaptive: AdaptiveLength | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class StepCounts:
         batch: Index of the batch in the training stream (for the history).
         next_batch: First batch not drawn yet: a move takes effect there.
         global_step: The trainer's step (for the history).
+        success_rate: Share of the rows whose reward reached the success level (`Curriculum.success_level`).
     """
 
     reward: float
@@ -91,6 +106,7 @@ class StepCounts:
     batch: int
     next_batch: int
     global_step: int
+    success_rate: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +150,9 @@ class CurriculumState:
         drawn_index: The stage training batches are drawn at; it follows `stage_index` once pending moves apply.
         moves: Pending moves `[from_batch, stage_index]`, in order.
         warm_end: First batch of GRPO once `warm_start_until` has ended the warm-start early, else None.
+        level: The adaptive schedule's continuous length (None under fixed stages); batches are drawn at
+            `words_of(level)`, and `stage_index` is the milestone it works towards.
+        drawn_words: The length training batches are drawn at under the adaptive schedule (None: the stage's).
     """
 
     stage_index: int = 0
@@ -149,6 +168,8 @@ class CurriculumState:
     drawn_index: int = 0
     moves: list[list[int]] = field(default_factory=list)
     warm_end: int | None = None
+    level: float | None = None
+    drawn_words: int | None = None
 
 
 class Curriculum:
@@ -188,9 +209,11 @@ class Curriculum:
             raise CorpusError(f"curriculum.collapse_share must be in (0, 1], got {s.collapse_share}")
         if s.warm_start_until is not None and not 0.0 < s.warm_start_until <= 1.0:
             raise CorpusError(f"curriculum.warm_start_until must be in (0, 1], got {s.warm_start_until}")
+        self.val_thresholds = _per_stage(s.val_threshold, "val_threshold", self.stages)
+        self.adaptive = s.adaptive
         self.sft_steps = sft_steps
         self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
-        self.state = CurriculumState()
+        self.state = self._start_state()
         self.restored_temperature: float | None = None  # a raised temperature an older checkpoint kept here
 
     @property
@@ -202,6 +225,17 @@ class Curriculum:
     def threshold(self) -> float:
         """The reward the stage being trained needs."""
         return self.thresholds[self.state.stage_index]
+
+    @property
+    def length(self) -> int:
+        """Words per fragment training is at: the adaptive schedule's length, or the stage's."""
+        return self.stage_words if self.state.level is None else words_of(self.state.level)
+
+    @property
+    def success_level(self) -> float:
+        """The reward from which a sampled answer counts as a success: `adaptive.success`, or the stage's threshold
+        (a group all below it and all equal is stuck)."""
+        return self.threshold if self.adaptive is None else self.adaptive.success
 
     @property
     def done(self) -> bool:
@@ -224,16 +258,29 @@ class Curriculum:
         """Whether batch `k` is a supervised warm-start batch."""
         return k < self.grpo_start
 
-    def draw_stage(self, k: int) -> int:
-        """The stage batch `k` is drawn at; applies the pending moves up to `k`."""
+    def draw_length(self, k: int) -> int:
+        """The length batch `k` is drawn at; applies the pending moves up to `k`.
+
+        A move is `[from_batch, stage_index]`, or `[from_batch, stage_index, words]` under the adaptive schedule."""
         state = self.state
         while state.moves and state.moves[0][0] <= k:
-            state.drawn_index = state.moves.pop(0)[1]
-        return state.drawn_index
+            move = state.moves.pop(0)
+            state.drawn_index = move[1]
+            state.drawn_words = move[2] if len(move) > 2 else None
+        return self.stages[state.drawn_index] if state.drawn_words is None else state.drawn_words
+
+    def replay_lengths(self) -> Sequence[int]:
+        """The lengths replayed beside the drawn one: the earlier stages, or under the adaptive schedule the lengths
+        just under it (`AdaptiveLength.replay_spread`)."""
+        state = self.state
+        if state.drawn_words is None:
+            return self.stages[: state.drawn_index]
+        return replay_range(state.drawn_words, self.stages[0], self.adaptive.replay_spread)
 
     def replayed(self, batch_size: int) -> int:
-        """Prompts of a GRPO batch drawn from earlier stages; at least one stays at the stage, whatever the rounding."""
-        return min(round(self.replay_fraction * batch_size), batch_size - 1) if self.state.drawn_index else 0
+        """Prompts of a GRPO batch drawn at replayed lengths; at least one stays at the drawn length, whatever the
+        rounding."""
+        return min(round(self.replay_fraction * batch_size), batch_size - 1) if self.replay_lengths() else 0
 
     def move(self, index: int, from_batch: int | None = None) -> None:
         """Train stage `index` from now on: counters restart, responses and history stay.
@@ -271,6 +318,14 @@ class Curriculum:
         self._note(next_batch - 1, global_step, "warm_start_end", n, n, why)
         return f"curriculum: the warm-start ends at step {global_step} ({why}); GRPO from batch {next_batch}"
 
+    def observe_milestone(self, score: float, batch: int, global_step: int) -> Decision | None:
+        """Under the adaptive schedule, the held-out score at the milestone worked towards, taken after batch `batch`;
+        passes it when the score reaches its `val_threshold`. None when nothing passed."""
+        gate = self.val_thresholds[self.state.stage_index]
+        if self.adaptive is None or self.state.done or gate is None or score < gate:
+            return None
+        return self._pass_milestone(batch, global_step, f"held-out score {score:.3f} >= {gate}")
+
     def observe(self, counts: StepCounts) -> Decision:
         """Count one GRPO batch that had rows at the current stage and decide what follows."""
         s, state = self.settings, self.state
@@ -281,9 +336,13 @@ class Curriculum:
         if state.collapsed >= s.collapse_patience:
             return self._respond_to_collapse(counts)
         index = state.stage_index
+        if self.adaptive is not None:
+            low, high = self.stages[0], self.stages[index]
+            level = next_level(state.level, counts.success_rate, self.adaptive, low, high)
+            return self._set_level(counts, level) or Decision("none", self.rolling, index)
         learned = state.steps >= self.min_steps[index] and state.above >= self.patience[index]
-        if s.val_threshold is not None:
-            learned = learned and state.val_score is not None and state.val_score >= s.val_threshold
+        if self.val_thresholds[index] is not None:
+            learned = learned and state.val_score is not None and state.val_score >= self.val_thresholds[index]
         if not learned:
             return Decision("none", self.rolling, index)
         n = self.stage_words
@@ -316,9 +375,41 @@ class Curriculum:
             why = f"{what}; temperature {temperature} -> {raised}"
             message = self._note(counts.batch, counts.global_step, "raise_temperature", n, n, why)
             return Decision("raise_temperature", self.rolling, state.stage_index, raised, message)
+        if self.adaptive is not None:
+            shorter = [m for m in self.stages if m < self.length]
+            if not shorter:
+                return self._stop(counts, what, "the length is already at the first milestone")
+            message = self._note(counts.batch, counts.global_step, "step_back", self.length, shorter[-1], what)
+            self._set_level(counts, float(shorter[-1]))
+            return Decision("step_back", self.rolling, state.stage_index, message=message)
         if state.stage_index == 0:
             return self._stop(counts, what, "there is no earlier stage to step back to")
         return self._move(counts, state.stage_index - 1, "step_back", what)
+
+    def _set_level(self, counts: StepCounts, level: float) -> Decision | None:
+        """The adaptive length from batch `counts.next_batch` on; passes the milestone (its decision) when the length
+        reaches it and no held-out score is asked of it, else None."""
+        state, old = self.state, self.length
+        state.level = level
+        if self.length != old:
+            moves = [m for m in state.moves if m[0] < counts.next_batch]
+            state.moves = moves + [[counts.next_batch, state.stage_index, self.length]]
+        if not state.done and self.val_thresholds[state.stage_index] is None and self.length >= self.stage_words:
+            return self._pass_milestone(counts.batch, counts.global_step, "the training length reached it")
+        return None
+
+    def _pass_milestone(self, batch: int, global_step: int, why: str) -> Decision:
+        """The milestone worked towards is passed: export it, and work towards the next (or end at the last)."""
+        state, n = self.state, self.stage_words
+        rolling = self.rolling if state.recent else 0.0
+        if state.stage_index + 1 == len(self.stages):
+            state.done = True
+            message = self._note(batch, global_step, "done", n, n, f"last milestone passed ({why})")
+            return Decision("done", rolling, state.stage_index, message=message, export_words=n,
+                            stop=self.settings.stop_when_done)  # fmt: skip
+        state.stage_index += 1
+        message = self._note(batch, global_step, "milestone", n, self.stage_words, f"{n} words passed ({why})")
+        return Decision("milestone", rolling, state.stage_index, message=message, export_words=n)
 
     def _move(
         self, counts: StepCounts, index: int, kind: DecisionKind, why: str, export_words: int | None = None
@@ -353,6 +444,18 @@ class Curriculum:
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.state = self._state(**state_dict)
+        if self.adaptive is not None and self.state.level is None:
+            raise CorpusError(
+                "data.curriculum.adaptive: this checkpoint was trained on fixed stages; resume it without "
+                "data.curriculum.adaptive, or start the adaptive schedule with --model.base.init_from"
+            )
+
+    def _start_state(self) -> CurriculumState:
+        """A fresh state: under the adaptive schedule the length starts at the first milestone."""
+        if self.adaptive is None:
+            return CurriculumState()
+        first = self.stages[0]
+        return CurriculumState(level=float(first), drawn_words=first)
 
     def _state(self, temperature: float | None = None, **state) -> CurriculumState:
         """A state from a checkpoint's fields. Checkpoints written while the curriculum also kept the raised rollout
@@ -395,7 +498,7 @@ def check_lengths(lengths: Sequence[int], name: str) -> list[int]:
 
 
 def _per_stage(value, name: str, lengths: list[int]) -> list:
-    """One value per stage from a single value or a list of one value per stage."""
+    """One value per stage from a single value (None included) or a list of one value per stage."""
     if not isinstance(value, list | tuple):
         return [value] * len(lengths)
     if len(value) != len(lengths):

@@ -10,11 +10,11 @@ from lightning import LightningDataModule
 from torch.utils.data import DataLoader, IterableDataset
 
 from interleave_data.cache import build_cache, cache_path, load_cache
-from interleave_data.corpus import CorpusError
+from interleave_data.corpus import CorpusError, Text, load_corpus
 from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
 from interleave_data.hints import HintSettings, draw_pairs, most_pairs, split_hint
-from interleave_data.pairs import SPLITS, Example, Split, check_fractions
+from interleave_data.pairs import SPLITS, Example, Split, check_fractions, draw_example, split_texts
 from interleave_data.prompts import TEMPLATES, TemplateName, adds_special_tokens, format_prompt
 
 
@@ -107,6 +107,8 @@ class InterleaveDataModule(LightningDataModule):
         self._check_args()
         self.tokenizer = tokenizer
         self._pools: dict[tuple[int, str], list[Example]] = {}
+        self._train_texts: list[Text] | None = None  # the adaptive schedule draws its GRPO rows from them
+        self._usable: dict[int, list[Text]] = {}  # length -> train texts at least that long
         # training batches handed to the training step: counted here, checkpointed here (`batches_run`)
         self._batches_run: int | None = 0
 
@@ -121,6 +123,13 @@ class InterleaveDataModule(LightningDataModule):
             raise CorpusError(f"need train_pairs >= {min_train} and val_pairs, test_pairs >= 0, got {self.pairs}")
         if min(self.batch_size, self.sft_batch_size, self.eval_batch_size) < 1 or self.sft_steps < 0:
             raise CorpusError("batch_size, sft_batch_size and eval_batch_size must be >= 1, sft_steps >= 0")
+        gated = [n for n, gate in zip(self.stages, self.curriculum.val_thresholds, strict=True) if gate is not None]
+        unseen = [n for n in gated if n not in self.eval_lengths or not self.val_pairs]
+        if self.curriculum.adaptive is not None and unseen:
+            raise CorpusError(
+                f"data.curriculum.val_threshold gates the milestones {unseen}, which are never evaluated: add them to "
+                "data.eval_stages with data.val_pairs > 0, or set data.curriculum.val_threshold to null"
+            )
 
     @property
     def pairs(self) -> dict[str, int]:
@@ -181,6 +190,14 @@ class InterleaveDataModule(LightningDataModule):
         """Loads the examples of every split; safe to call on every rank and more than once."""
         if self._pools:
             return
+        if self.curriculum.adaptive is not None:
+            if self.dataset_dir is not None:
+                raise CorpusError(
+                    f"{self.dataset_dir}: data.curriculum.adaptive trains at any length and draws its pairs from the "
+                    "corpus's training texts; drop data.dataset_dir and name the corpus with data.corpus"
+                )
+            texts = load_corpus(self.corpus).texts
+            self._train_texts = split_texts(texts, self.split_fractions, self.seed)["train"]
         if self.dataset_dir is not None:
             self._pools = {(n, split): self._read_folder(n, split) for split, ns in self._lengths().items() for n in ns}
             return
@@ -212,23 +229,33 @@ class InterleaveDataModule(LightningDataModule):
         return pool[:half] if phase == "sft" else pool[half:]
 
     def sample_train_batch(self, k: int, rank: int = 0) -> tuple[str, list[Example]]:
-        """Draws training batch ``k`` of ``rank`` at the current stage.
+        """Draws training batch ``k`` of ``rank`` at the current length.
 
         Returns:
             ``(phase, examples)`` with phase "sft" for a warm-start batch (``Curriculum.warm_start``), else "grpo".
         """
-        index = self.curriculum.draw_stage(k)
+        n_words = self.curriculum.draw_length(k)
         rng = random.Random(f"{self.seed}:train:{k}:{rank}")
         if self.curriculum.warm_start(k):
             if self.sft_stages is None:
-                return "sft", _sample(rng, self._train_pool(self.stages[index], "sft"), self.sft_batch_size)
+                return "sft", _sample(rng, self._train_pool(n_words, "sft"), self.sft_batch_size)
             pools = [self._train_pool(n, "sft") for n in self.sft_stages]
             return "sft", [rng.choice(rng.choice(pools)) for _ in range(self.sft_batch_size)]
         n_replay = self.curriculum.replayed(self.batch_size)
-        batch = _sample(rng, self._train_pool(self.stages[index], "grpo"), self.batch_size - n_replay)
-        earlier = self.stages[:index]
-        batch += [rng.choice(self._train_pool(rng.choice(earlier), "grpo")) for _ in range(n_replay)]
+        batch = self._draw_grpo(rng, n_words, self.batch_size - n_replay, f"{k}:{rank}")
+        replayed = self.curriculum.replay_lengths()
+        batch += [self._draw_grpo(rng, rng.choice(replayed), 1, f"{k}:{rank}:{i}")[0] for i in range(n_replay)]
         return "grpo", batch
+
+    def _draw_grpo(self, rng: random.Random, n_words: int, n: int, stream: str) -> list[Example]:
+        """``n`` GRPO prompts of ``n_words`` words: from the stage's GRPO half of the training pairs, or under the
+        adaptive schedule drawn afresh from the training texts (any length; ids name the batch's ``stream``)."""
+        if self._train_texts is None:
+            return _sample(rng, self._train_pool(n_words, "grpo"), n)  # one row: the same draw as rng.choice
+        if n_words not in self._usable:
+            self._usable[n_words] = [t for t in self._train_texts if t.n_words >= n_words]
+        usable = self._usable[n_words]
+        return [draw_example(rng, usable, n_words, "train", f"drawn-{stream}-{i}") for i in range(n)]
 
     def sample_refill(self, k: int, round_: int, n: int, n_words: int, rank: int = 0) -> dict:
         """``n`` extra GRPO prompts of ``n_words`` words for refill round ``round_`` of batch ``k`` (dynamic sampling).
@@ -237,7 +264,7 @@ class InterleaveDataModule(LightningDataModule):
         run draws the same refills, and are collated like a training batch.
         """
         rng = random.Random(f"{self.seed}:refill:{k}:{round_}:{rank}")
-        examples = _sample(rng, self._train_pool(n_words, "grpo"), n)
+        examples = self._draw_grpo(rng, n_words, n, f"refill-{k}:{round_}:{rank}")
         return self.collate(examples, "grpo", self._hints(examples, k, f"{round_}:{rank}"))
 
     def refill_draw(self, k: int, n_words: int) -> Callable[[int, int], dict]:

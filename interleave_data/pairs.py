@@ -145,28 +145,31 @@ def build_examples(texts: Sequence[Text], n_words: int, n_pairs: int, seed: int,
             f">= {n_words} words (need 2); add longer texts, e.g. --corpus pydoc_data.topics more_texts.jsonl"
         )
     rng = random.Random(f"{seed}:{split}:{n_words}")
-    examples = []
-    for index in range(n_pairs):
-        text_a, text_b = rng.sample(usable, 2)
-        offset_a = rng.randrange(text_a.n_words - n_words + 1)
-        offset_b = rng.randrange(text_b.n_words - n_words + 1)
-        a = text_a.words[offset_a : offset_a + n_words]
-        b = text_b.words[offset_b : offset_b + n_words]
-        examples.append(
-            Example(
-                id=f"{n_words}w-{split}-{index:05d}",
-                n_words=n_words,
-                a=" ".join(a),
-                b=" ".join(b),
-                target=" ".join(interleave(a, b)),
-                text_a=text_a.id,
-                text_b=text_b.id,
-                split=split,
-                offset_a=offset_a,
-                offset_b=offset_b,
-            )
-        )
-    return examples
+    return [draw_example(rng, usable, n_words, split, f"{index:05d}") for index in range(n_pairs)]
+
+
+def draw_example(rng: random.Random, usable: Sequence[Text], n_words: int, split: str, index: str) -> Example:
+    """One example: two distinct texts of ``usable`` (each of at least ``n_words`` words), a random window in each.
+
+    ``build_examples`` draws its pools with it; the adaptive curriculum draws training rows at any length with it.
+    """
+    text_a, text_b = rng.sample(usable, 2)
+    offset_a = rng.randrange(text_a.n_words - n_words + 1)
+    offset_b = rng.randrange(text_b.n_words - n_words + 1)
+    a = text_a.words[offset_a : offset_a + n_words]
+    b = text_b.words[offset_b : offset_b + n_words]
+    return Example(
+        id=f"{n_words}w-{split}-{index}",
+        n_words=n_words,
+        a=" ".join(a),
+        b=" ".join(b),
+        target=" ".join(interleave(a, b)),
+        text_a=text_a.id,
+        text_b=text_b.id,
+        split=split,
+        offset_a=offset_a,
+        offset_b=offset_b,
+    )
 
 
 def build_dataset(

@@ -59,14 +59,21 @@ class CurriculumCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         curriculum = self.curriculum
         record = outputs.get("record") if isinstance(outputs, Mapping) else None
-        logged = {"curriculum/stage_words": float(curriculum.stage_words)}
+        logged = {
+            "curriculum/stage_words": float(curriculum.stage_words),
+            "curriculum/length": float(curriculum.length),
+        }
         counts = self._counts(record, trainer, pl_module) if record is not None and not curriculum.done else None
         if counts is not None:
             self._trained = True
+            counts, pass_at_g, words = counts
             decision = curriculum.observe(counts)
             logged |= {
+                "curriculum/batch_length": float(words),
                 "curriculum/reward": counts.reward,
                 "curriculum/reward_rolling": decision.rolling,
+                "curriculum/success_rate": counts.success_rate,
+                "curriculum/pass_at_g": pass_at_g,
                 "curriculum/zero_std_share": counts.zero_std_share,
                 "curriculum/stuck_share": counts.stuck_share,
                 "curriculum/distinct_completions": counts.distinct,
@@ -81,10 +88,12 @@ class CurriculumCallback(L.Callback):
         value = trainer.callback_metrics.get(f"val/alignment_{self.curriculum.stage_words}w")
         if value is not None:
             # the next batch is already fetched: a warm-start ended now ends from the batch after it
-            message = self.curriculum.observe_validation(
-                float(value), trainer.datamodule.batches_run + 1, trainer.global_step
-            )
+            run = trainer.datamodule.batches_run
+            message = self.curriculum.observe_validation(float(value), run + 1, trainer.global_step)
             self._announce(message, trainer)
+            decision = self.curriculum.observe_milestone(float(value), run - 1, trainer.global_step)
+            if decision is not None:
+                self._apply(decision, trainer, pl_module)
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -98,32 +107,24 @@ class CurriculumCallback(L.Callback):
         if self.curriculum is not None:
             self.curriculum.load_legacy_state(callback=state_dict)
 
-    def _counts(self, record, trainer: L.Trainer, pl_module: L.LightningModule) -> StepCounts | None:
-        """This batch's rows at the current stage, summed over ranks; None when the batch is at another stage."""
-        words, G = self.curriculum.stage_words, record.num_generations
-        rewards = record.rewards.detach().float().cpu()  # [P*G]
-        grouped = rewards.view(-1, G)  # [P, G]
-        means = grouped.mean(dim=1)  # [P]
-        at_stage = torch.tensor([n == words for n in record.n_words]) & (max(record.n_words) == words)  # [P]
-        flat = zero_std_groups(rewards, G) & at_stage  # [P]
-        stuck = flat & (means < self.curriculum.threshold)  # [P]
-        distinct = [len(set(record.completions[g * G : (g + 1) * G])) for g in range(len(record.n_words))]
-        local = [
-            grouped[at_stage].sum().item(),
-            float(at_stage.sum() * G),
-            float(at_stage.sum()),
-            float(flat.sum()),
-            float(stuck.sum()),
-            float(sum(d for d, keep in zip(distinct, at_stage.tolist(), strict=True) if keep)),
-        ]
+    def _counts(self, record, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[StepCounts, float, int] | None:
+        """This batch's rows at the current stage, summed over ranks, with the share of its groups that hold a success
+        (pass@G) and the length counted; None when the batch is at another stage.
+
+        Under the adaptive schedule the rows counted are those at the batch's own length (its longest: replayed rows
+        are shorter), the one it was drawn at a batch before the last move; under fixed stages, the stage's rows.
+        """
+        curriculum = self.curriculum
+        words = max(record.n_words) if curriculum.adaptive is not None else curriculum.stage_words
+        local = group_counts(record, words, curriculum.success_level)
         total = trainer.strategy.reduce(
-            torch.tensor(local, dtype=torch.float64, device=pl_module.device), reduce_op="sum"
+            torch.tensor(list(local.values()), dtype=torch.float64, device=pl_module.device), reduce_op="sum"
         )
-        reward_sum, rows, groups, n_flat, n_stuck, n_distinct = total.tolist()
+        reward_sum, rows, groups, n_flat, n_stuck, n_distinct, n_succeeded, n_passed = total.tolist()
         if not groups:
             return None
         run = trainer.datamodule.batches_run
-        return StepCounts(
+        counts = StepCounts(
             reward=reward_sum / rows,
             zero_std_share=n_flat / groups,
             stuck_share=n_stuck / groups,
@@ -132,7 +133,9 @@ class CurriculumCallback(L.Callback):
             batch=run - 1,
             next_batch=run + 1,  # the next batch is already fetched at the old stage
             global_step=trainer.global_step,
+            success_rate=n_succeeded / rows,
         )
+        return counts, n_passed / groups, words
 
     def _apply(self, decision: Decision, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if decision.export_words is not None and self.export:
@@ -160,6 +163,30 @@ class CurriculumCallback(L.Callback):
         if trainer.is_global_zero:
             source = {"stage_words": n_words, "global_step": trainer.global_step}
             export(pl_module, self.run_dir / "stages" / f"{n_words}words", source=source)
+
+
+def group_counts(record, words: int, success: float) -> dict[str, float]:
+    """Sums over the groups of a GRPO batch's `StepRecord` drawn at `words` words, when `words` is the batch's longest
+    length (replayed rows are shorter): reward, rows, groups, zero-variance groups, stuck groups (zero variance and
+    below `success`), distinct completions, successful rows (reward >= `success`) and groups holding one (pass@G)."""
+    G = record.num_generations
+    rewards = record.rewards.detach().float().cpu()  # [P*G]
+    grouped = rewards.view(-1, G)  # [P, G]
+    at_words = torch.tensor([n == words for n in record.n_words]) & (max(record.n_words) == words)  # [P]
+    flat = zero_std_groups(rewards, G) & at_words  # [P]
+    stuck = flat & (grouped.mean(dim=1) < success)  # [P]
+    succeeded = (grouped >= success) & at_words[:, None]  # [P, G]
+    distinct = [len(set(record.completions[g * G : (g + 1) * G])) for g in range(len(record.n_words))]
+    return {
+        "reward": grouped[at_words].sum().item(),
+        "rows": float(at_words.sum() * G),
+        "groups": float(at_words.sum()),
+        "flat": float(flat.sum()),
+        "stuck": float(stuck.sum()),
+        "distinct": float(sum(d for d, keep in zip(distinct, at_words.tolist(), strict=True) if keep)),
+        "succeeded": float(succeeded.sum()),
+        "passed": float(succeeded.any(dim=1).sum()),
+    }
 
 
 def set_temperature(pl_module: L.LightningModule, temperature: float) -> None:

@@ -153,7 +153,7 @@ def test_pending_moves_apply_at_their_batch():
     curriculum.move(1, from_batch=3)
     curriculum.move(2, from_batch=5)
 
-    assert [curriculum.draw_stage(k) for k in range(7)] == [0, 0, 0, 1, 1, 2, 2]
+    assert [curriculum.draw_length(k) for k in range(7)] == [4, 4, 4, 8, 8, 16, 16]
     assert curriculum.stage_words == 16 and curriculum.state.moves == []
 
 
