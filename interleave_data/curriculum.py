@@ -70,7 +70,7 @@ class CurriculumSettings:
     patience: int | list[int] = 20
     min_steps: int | list[int] = 50
     window: int = 10
-    val_threshold: float | list[float] | None = None
+    val_threshold: float | list[float | None] | None = None
     collapse_share: float = 0.8
     collapse_patience: int = 10
     on_collapse: OnCollapse = "raise_temperature"
