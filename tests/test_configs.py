@@ -144,3 +144,18 @@ def test_the_3b_configs_ask_for_the_model_in_one_line(config, subcommand, tmp_pa
     assert run([subcommand, "--config", str(config), f"--trainer.default_root_dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"error: {NO_MODEL}"]
     assert not any(tmp_path.iterdir())
+
+
+ARMS = sorted((ROOT / "configs" / "arms").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("overlay", ARMS, ids=lambda p: p.name)
+def test_arm_overlays_parse_on_the_base_they_name(overlay, capsys):
+    base = re.search(r"Overlay on (configs/[\w.-]+\.yaml)", overlay.read_text())
+    assert base, f"{overlay.name}: its first line names the config it overlays"
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(ROOT / base.group(1)), "--config", str(overlay), "--print_config"])
+    assert exit_.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    overlaid = yaml.safe_load(overlay.read_text())
+    assert printed["data"]["stages"] == overlaid["data"]["stages"]  # the overlay's own values win

@@ -259,3 +259,29 @@ if __name__ == "__main__":  # the two-rank half of the test above: python -m tes
     folder = Path(sys.argv[1])
     two, _, _ = _train_one_step(folder, devices=2)
     torch.save([p.detach() for p in two.policy.parameters()], folder / "weights.pt")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_two_cpu_ranks_climb_the_adaptive_length_together(tmp_path):
+    """Every GRPO batch succeeds (`tests.test_resume.Succeeds`), so the length moves after each: both ranks draw the
+    same lengths and end in the same state."""
+    extra = tmp_path / "ddp.yaml"
+    trainer = {"devices": 2, "strategy": "ddp", "max_steps": 6, "limit_val_batches": 0,
+               "default_root_dir": str(tmp_path), "callbacks": _callbacks(tmp_path)[::3]}  # fmt: skip
+    adaptive = {"success": 1.0, "step": 0.3}
+    data = {"stages": [4, 16], "replay_fraction": 0.5, "curriculum": {"adaptive": adaptive}}
+    model = {"rewards": [{"class_path": "tests.test_resume.Succeeds"}]}
+    extra.write_text(yaml.safe_dump({"trainer": trainer, "data": data, "model": model}))
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "cli.py", "fit", "--config", str(TINY_CONFIG), "--config", str(extra)]
+
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1
+    state = rank0["curriculum"]
+    # GRPO batches 2-5: levels 4 (the first milestone passes), 5.03, 6.32, 7.94; batch 6, fetched ahead, at 6 words
+    assert state["level"] == pytest.approx(7.94, abs=0.01) and state["drawn_words"] == 6
+    assert rank0["metrics"]["curriculum/length"] == 8.0 and rank0["metrics"]["curriculum/pass_at_g"] == 1.0

@@ -7,12 +7,14 @@ batch at the old stage, so the resumed run must draw that batch at the old stage
 from __future__ import annotations
 
 import copy
+import math
 
 import lightning as L
 import pytest
 import torch
 
 from cli import main
+from interleave_model.algorithm.rewards import RewardFunction
 from tests.conftest import TINY_CONFIG, flat_settings
 
 # threshold 0 and patience 1: the 4-word stage ends after its min_steps=2 GRPO batches (batches 2 and 3, after the
@@ -117,3 +119,39 @@ def test_n_steps_resume_n_steps_equals_2n_steps_straight(tmp_path, extra):
     from_old = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "old-4.ckpt", extra=extra)
     _assert_same(from_old["InterleaveDataModule"], straight["InterleaveDataModule"], "curriculum from the old layout")
     _assert_same(from_old["state_dict"], straight["state_dict"], "weights from the old layout")
+
+
+class Succeeds(RewardFunction):
+    """Every answer succeeds, so the adaptive length climbs at every GRPO batch."""
+
+    name = "succeeds"
+
+    def __call__(self, completions, targets, truncated):
+        return [1.0] * len(completions)
+
+
+# step 0.3: after GRPO batches 2, 3, 4, 5, 6, 7 the level is 4 (held at the first milestone, which passes: no held-out
+# gate), 5.03, 6.32, 7.94, 9.98, 12.54 (x exp(0.3 tanh 1) = 1.2567 each); the checkpoint at 4 falls between the
+# decision after batch 3 (5 words) and its effect at batch 5, batch 4 in flight at 4 words
+ADAPTIVE = [
+    "--data.stages=[4, 16]", "--data.replay_fraction=0.5", "--model.rewards=[tests.test_resume.Succeeds]",
+    "--data.curriculum.adaptive.step=0.3", "--data.curriculum.adaptive.success=1.0",
+]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_resume_in_the_middle_of_an_adaptive_climb_equals_the_straight_run(tmp_path):
+    straight = _fit(tmp_path / "straight", 8, extra=ADAPTIVE)
+    half = _fit(tmp_path / "split", 4, extra=ADAPTIVE)
+    resumed = _fit(tmp_path / "split", 8, ckpt_path=tmp_path / "split" / "end-4.ckpt", extra=ADAPTIVE)
+
+    curriculum = half["InterleaveDataModule"]["curriculum"]
+    assert (curriculum["drawn_words"], curriculum["moves"]) == (4, [[5, 1, 5]])  # 5 words from batch 5 on
+    assert curriculum["level"] == pytest.approx(4 * math.exp(0.3 * math.tanh(1.0)))
+    _assert_same(resumed["InterleaveDataModule"], straight["InterleaveDataModule"], "curriculum")
+    _assert_same(resumed["state_dict"], straight["state_dict"], "weights")
+    history = straight["InterleaveDataModule"]["curriculum"]["history"]
+    assert [(h["kind"], h["from_words"]) for h in history] == [("milestone", 4)]
+    level = straight["InterleaveDataModule"]["curriculum"]["level"]
+    assert level == pytest.approx(4 * math.exp(0.3 * math.tanh(1.0)) ** 5)  # 12.54: the climb went on after it

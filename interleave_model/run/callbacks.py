@@ -59,10 +59,7 @@ class CurriculumCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         curriculum = self.curriculum
         record = outputs.get("record") if isinstance(outputs, Mapping) else None
-        logged = {
-            "curriculum/stage_words": float(curriculum.stage_words),
-            "curriculum/length": float(curriculum.length),
-        }
+        logged = {"curriculum/stage_words": float(curriculum.stage_words)}  # the batch's stage, before a decision
         counts = self._counts(record, trainer, pl_module) if record is not None and not curriculum.done else None
         if counts is not None:
             self._trained = True
@@ -79,6 +76,7 @@ class CurriculumCallback(L.Callback):
                 "curriculum/distinct_completions": counts.distinct,
             }
             self._apply(decision, trainer, pl_module)
+        logged["curriculum/length"] = float(curriculum.length)  # after the decision: the length of the batches to come
         pl_module.log_dict(logged, batch_size=1)
 
     @override

@@ -246,3 +246,41 @@ def test_too_few_long_held_out_texts_fail_in_prepare_data(tmp_path):
     with pytest.raises(CorpusError, match="stage 100 words"):
         dm.prepare_data()
     assert not (tmp_path / "interleave_data").exists() or not any((tmp_path / "interleave_data").iterdir())
+
+
+def _adaptive(**settings):
+    from interleave_data.curriculum import CurriculumSettings
+    from interleave_data.length_schedule import AdaptiveLength
+
+    return CurriculumSettings(adaptive=AdaptiveLength(), **settings)
+
+
+def test_adaptive_rows_come_from_the_train_texts_at_any_length(tmp_path, tokenizer):
+    dm = make_dm(tmp_path, tokenizer, curriculum=_adaptive(), replay_fraction=0.5, batch_size=8)
+    dm.curriculum.state.moves = [[0, 1, 37]]  # a length no stage builds
+    train_texts = {t.id for t in dm._train_texts}
+    held_out = {e.text_a for split in ("val", "test") for n in STAGES for e in dm.examples(n, split)}
+
+    phase, batch = dm.sample_train_batch(0)
+    again = dm.sample_train_batch(0)[1]
+
+    assert phase == "grpo" and batch == again  # seeded by the batch index: a resumed run draws the same
+    assert [e.n_words for e in batch[:4]] == [37] * 4
+    assert all(19 <= e.n_words < 37 for e in batch[4:])  # replayed at [37 / 2, 37)
+    assert {e.text_a for e in batch} | {e.text_b for e in batch} <= train_texts
+    assert not ({e.text_a for e in batch} | {e.text_b for e in batch}) & held_out
+    for e in batch:
+        assert e.target.split() == [w for pair in zip(e.a.split(), e.b.split(), strict=True) for w in pair]
+
+
+def test_adaptive_refuses_a_dataset_folder_and_an_unevaluated_gate(tmp_path):
+    with pytest.raises(CorpusError, match="data.curriculum.adaptive trains at any length"):
+        make_dm(tmp_path, dataset_dir=str(tmp_path), curriculum=_adaptive())
+    with pytest.raises(CorpusError, match=r"gates the milestones \[50\], which are never evaluated"):
+        make_dm(tmp_path, eval_stages=[10, 25], curriculum=_adaptive(val_threshold=0.9))
+
+
+def test_adaptive_refuses_a_last_milestone_longer_than_the_corpus_before_training(tmp_path):
+    corpus = write_jsonl(tmp_path / "short.jsonl", numbered_texts(30, 60))
+    with pytest.raises(CorpusError, match="stage 80 words"):
+        make_dm(tmp_path, corpus=[str(corpus)], stages=[10, 80], curriculum=_adaptive())
