@@ -144,11 +144,10 @@ def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
 
 def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
     """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
-    import torch
-
+    from interleave_model.model.checkpoint import safe_load
     from interleave_model.settings import GROUPS
 
-    hparams = torch.load(checkpoint_path, map_location="cpu", weights_only=False, mmap=True)["hyper_parameters"]
+    hparams = safe_load(checkpoint_path, "load_from_checkpoint", mmap=True)["hyper_parameters"]
     return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
 
 

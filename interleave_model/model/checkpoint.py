@@ -7,6 +7,8 @@ included) leaves either the previous complete file or the new complete file, nev
 from __future__ import annotations
 
 import os
+import pickle
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,25 @@ from interleave_model.model.policy import PolicyError, base_from_disk, frozen_co
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only
 # what training changes (the adapter), not a copy of the base (6 GiB in bf16 for Llama-3.2-3B) at every save.
 BASE_OMITTED = "base_weights_omitted"
+
+
+def safe_load(path: str | os.PathLike, what: str, mmap: bool = False) -> dict[str, Any]:
+    """A checkpoint read without running code: `torch.load(weights_only=True)`, which unpickles tensors, plain
+    containers and the settings classes `interleave_model.module` registers as safe, and nothing else. A file holding
+    any other object (a pickled command among them) is refused in one line naming `what`, never executed.
+
+    Raises:
+        PolicyError: The file holds objects a checkpoint of this project never holds.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)", str(err))
+        detail = f" ({found.group(1)})" if found else ""
+        raise PolicyError(
+            f"{what}: {path} holds objects other than tensors and this project's settings{detail}; it was not "
+            "loaded, since unpickling them could run code. Load only checkpoints this project wrote"
+        ) from None
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -150,7 +171,7 @@ def load_initial_weights(policy: torch.nn.Module, path: str | Path) -> None:
     if not path.exists():
         raise PolicyError(f"model.base.init_from: {path} does not exist")
     if path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        checkpoint = safe_load(path, "model.base.init_from")
         load_checkpoint_weights(policy, checkpoint, f"model.base.init_from: {path}", prefix="policy.")
     elif (path / "adapter_config.json").exists():
         if not is_peft(policy):

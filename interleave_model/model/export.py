@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from interleave_data.atomic import replacing_dir
-from interleave_model.model.checkpoint import load_checkpoint_weights
+from interleave_model.model.checkpoint import load_checkpoint_weights, safe_load
 from interleave_model.model.policy import TINY, is_peft
 
 BASE_MODEL_DIR = "base_model"
@@ -40,12 +40,12 @@ def load_weights(module: torch.nn.Module, ckpt_path: str | os.PathLike) -> dict:
     Every key must fit; only a LoRA checkpoint may lack the frozen base, which the module loaded from disk
     (`checkpoint.load_checkpoint_weights`, as for `--model.base.init_from`).
 
-    The checkpoint is unpickled (it holds the hyperparameters' dataclasses): load only checkpoints you trust.
+    The checkpoint is read with `checkpoint.safe_load`: tensors and the project's settings, never code.
 
     Raises:
         PolicyError: When the weights do not fit `module`.
     """
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+    checkpoint = safe_load(ckpt_path, "--ckpt_path")
     module.on_load_checkpoint(checkpoint)  # creates the frozen reference if the checkpoint has one
     load_checkpoint_weights(module, checkpoint, str(ckpt_path))
     return checkpoint

@@ -18,6 +18,8 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from typing_extensions import override
 
+from interleave_model.model.checkpoint import safe_load
+
 
 class CompatCLI(LightningCLI):
     """LightningCLI whose private steps call public hooks, which a subclass overrides instead of the private steps."""
@@ -50,7 +52,7 @@ class CompatCLI(LightningCLI):
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if not (ckpt_path and Path(ckpt_path).is_file()):
             return
-        hparams = torch.load(ckpt_path, weights_only=True, map_location="cpu").get("hyper_parameters", {})
+        hparams = safe_load(ckpt_path, "--ckpt_path").get("hyper_parameters", {})
         hparams.pop("_instantiator", None)
         hparams = self.checkpoint_hparams(hparams)
         if not hparams:
