@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -104,18 +105,27 @@ class InterleaveCLI(CompatCLI):
             self.save_config_kwargs["config_filename"] = config_filename(continued)
 
     def checkpoint_hparams(self, hparams: dict) -> dict:
-        """The checkpoint's hyperparameters build the model, except the evaluation settings.
+        """From the checkpoint, what defines its weights; from this command, everything else, differences printed.
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
-        pytorch-lightning#20801, #21455), so `validate --ckpt_path ... --model.evaluation.num_samples 8` would silently
-        evaluate with the training run's settings. How to evaluate (`model.evaluation`) belongs to this run: it keeps
-        its values. Checkpoints written before the model's settings were grouped are read in today's groups
-        (`legacy.grouped_hparams`).
+        pytorch-lightning#20801, #21455), so a run resumed with a smaller `micro_batch_size` or a new learning rate
+        would silently get the old ones again. The model the weights belong to (`WEIGHT_SETTINGS`: the base model, its
+        LoRA shape, the tiny model's shape, template and corpus) comes from the checkpoint; how to train and evaluate
+        with it (sampling, loss, optimization, engine, evaluation; the base's memory options) comes from this command,
+        and each value that differs from the checkpoint's is printed. The learning rate is a function of the step
+        (`algorithm.schedule`), so a new one takes effect at once. Checkpoints written before the model's settings
+        were grouped are read in today's groups (`legacy.grouped_hparams`).
         """
         hparams = grouped_hparams(super().checkpoint_hparams(hparams))
-        hparams.pop("evaluation", None)
-        _check_tiny_vocabulary(hparams, self.config[self.config.subcommand].data)
-        return hparams
+        config = self.config[self.config.subcommand]
+        kept = {key: value for key, value in hparams.items() if key in WEIGHT_SETTINGS or key.startswith("_")}
+        if isinstance(kept.get("base"), dict):
+            kept["base"] = {k: v for k, v in kept["base"].items() if k not in RUN_BASE_SETTINGS}
+        _check_tiny_vocabulary(kept, config.data)
+        if self.config.subcommand == "fit":
+            for line in _differences(hparams, kept, config.model):
+                print(line, file=sys.stderr)
+        return kept
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
         """The step progress bar unless the config turns bars off or names its own; always a save and a non-zero exit
@@ -142,6 +152,41 @@ class InterleaveCLI(CompatCLI):
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict
         parser.add_lightning_class_args(EvaluationReport, "eval_report")
         parser.add_lightning_class_args(PredictionWriter, "predictions")
+
+
+# what a checkpoint's weights are the weights of: kept from the checkpoint on resume (`checkpoint_hparams`)
+WEIGHT_SETTINGS = ("base", "tiny", "lora", "template", "corpus", "seed")
+# the base's settings that change memory or speed, not the weights: this command's
+RUN_BASE_SETTINGS = ("gradient_checkpointing", "attn_implementation")
+
+
+def _differences(hparams: dict, kept: dict, model) -> list[str]:
+    """One line per run-time setting whose value in this command differs from the checkpoint's."""
+    lines = []
+    for group, value in hparams.items():
+        if group.startswith("_") or group == "evaluation" or (group in kept and group != "base"):
+            continue
+        now = model.get(group)
+        if isinstance(value, dict):
+            now = _plain(now)
+            names = RUN_BASE_SETTINGS if group == "base" else value.keys()
+            pairs = [(f"model.{group}.{name}", value.get(name), now.get(name)) for name in names]
+        else:
+            pairs = [(f"model.{group}", value, now if isinstance(now, str | int | float | None) else _plain(now))]
+        lines += [f"resume: {key} is {was!r} in the checkpoint, {new!r} here: this command's value is used"
+                  for key, was, new in pairs if was != new]  # fmt: skip
+    return lines
+
+
+def _plain(value) -> dict:
+    """A settings group of the parsed config as a plain dict (a Namespace, a dataclass or None)."""
+    if value is None:
+        return {}
+    if hasattr(value, "as_dict"):
+        return value.as_dict()
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    return dict(value)
 
 
 def _check_tiny_vocabulary(hparams: dict, data) -> None:

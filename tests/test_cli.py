@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main, run
+from interleave_model.algorithm.schedule import phase_learning_rate
 from tests.conftest import TINY_CONFIG, flat_settings
 
 GPU_CONFIG = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
@@ -153,11 +154,33 @@ def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted,
         ["validate", *common, "--model.optimization.learning_rate=0.5", "--model.evaluation.num_samples=2"]
     )
     model = evaluated.model
-    assert model.sampling.top_k == 7 and model.optimization.learning_rate == 0.001  # the checkpoint's values win
-    assert model.evaluation.num_samples == 2  # except how to evaluate, which is this command's
+    assert model.hparams["tiny"]["hidden_size"] == 32 and model.hparams["template"] == "compact"  # the checkpoint's
+    assert model.optimization.learning_rate == 0.5 and model.evaluation.num_samples == 2  # run-time: this command's
+    assert model.sampling.top_k == 0  # the config's default, not the checkpoint's 7
 
-    resumed = main(["fit", *common, "--trainer.max_steps=5"])
-    assert resumed.model.sampling.top_k == 7 and resumed.trainer.global_step == 5
+    resumed = main(["fit", *common, "--trainer.max_steps=5", "--model.sampling.top_k=3"])
+    assert resumed.model.sampling.top_k == 3 and resumed.trainer.global_step == 5
+
+
+def test_a_resume_takes_this_commands_run_settings_and_keeps_the_checkpoints_model(fitted, tmp_path, capsys):
+    _, fit_root = fitted
+    checkpoint = sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1]
+    capsys.readouterr()
+    resumed = main(["fit", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", "--trainer.max_steps=5",
+                    f"--trainer.default_root_dir={tmp_path}", "--model.optimization.learning_rate=0.5",
+                    "--model.optimization.micro_batch_size=1", "--model.tiny.hidden_size=64"])  # fmt: skip
+
+    model = resumed.model
+    assert resumed.trainer.global_step == 5 and model.optimization.micro_batch_size == 1
+    # the rate is a function of the step, so the new base rate is the one step 4 used: 0.5 x its cosine factor
+    used = resumed.trainer.optimizers[0].param_groups[0]["lr"]
+    assert model.optimization.learning_rate == 0.5
+    assert used == pytest.approx(phase_learning_rate("grpo", 4, 5, 0.5, 0.001, 0, 2, "cosine"))  # 0.1625
+    assert model.policy.config.hidden_size == 32  # the weights' shape: the checkpoint's, whatever the command says
+    err = capsys.readouterr().err
+    assert "resume: model.optimization.learning_rate is 0.001 in the checkpoint, 0.5 here" in err
+    assert "model.optimization.micro_batch_size is None in the checkpoint, 1 here" in err
+    assert "model.tiny" not in err  # not a run-time setting: nothing to report, the checkpoint's is used
 
 
 def test_dynamic_sampling_runs_from_the_command_line(tmp_path):
