@@ -25,7 +25,8 @@ class StageFit(NamedTuple):
     n_words: int
     prompt_tokens: int  # the longest prompt, as collated (chat template included)
     answer_tokens: int  # the sampler's budget for the longest target (`Sampler.budget`)
-    limit: int | None  # the model's max_position_embeddings; None when its config names none
+    limit: int | None  # the tighter of the model's positions and vLLM's max_model_len; None when neither is set
+    limit_name: str = "the model's max_position_embeddings"  # which one `limit` is
 
     @property
     def needed(self) -> int:
@@ -77,6 +78,10 @@ def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
     config = getattr(module.policy, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
+    sampler = module.sampler
+    engine_limit = sampler.vllm.max_model_len if sampler.kind == "vllm" and sampler.vllm is not None else None
+    if engine_limit is not None and (limit is None or engine_limit < limit):
+        return StageFit(n_words, longest.prompt, answer, engine_limit, "model.vllm.max_model_len")
     return StageFit(n_words, longest.prompt, answer, limit)
 
 
@@ -84,7 +89,8 @@ def check_fit(fit: StageFit) -> None:
     if fit.limit is not None and fit.needed > fit.limit:
         raise PolicyError(
             f"the {fit.n_words}-word stage needs {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} "
-            f"answer budget), more than the model's max_position_embeddings of {fit.limit}: drop the stage"
+            f"answer budget), more than {fit.limit_name} of {fit.limit}: "
+            + ("raise it, or drop the stage" if fit.limit_name.startswith("model.") else "drop the stage")
         )
 
 
@@ -145,7 +151,7 @@ def report(module, datamodule) -> list[str]:
 
 def _fit_line(fit: StageFit) -> str:
     check_fit(fit)
-    limit = "no limit in the config" if fit.limit is None else f"limit {fit.limit}"
+    limit = "no limit in the config" if fit.limit is None else f"limit {fit.limit} ({fit.limit_name})"
     return f"ok, {fit.needed} tokens ({fit.prompt_tokens} prompt + {fit.answer_tokens} answer budget), {limit}"
 
 

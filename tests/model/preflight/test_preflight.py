@@ -14,7 +14,7 @@ from interleave_data.pairs import interleave
 from interleave_model.model.policy import PolicyError
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import preflight
-from interleave_model.settings import Base, Sampling
+from interleave_model.settings import Base, Sampling, VllmSettings
 from tests.conftest import TINY_CONFIG
 
 
@@ -104,6 +104,24 @@ def test_preflight_measures_each_stage_with_the_modules_budget(llama3_module, ma
         preflight(module, dm)
 
 
+def test_preflight_checks_vllms_model_length_where_it_is_the_tighter_limit(llama3_module, make_datamodule):
+    module = llama3_module
+    dm = make_datamodule(module.tokenizer)
+    needed = preflight(module, dm)[1].needed
+    sampler = module.sampler
+    kind, settings = sampler.kind, sampler.vllm
+    try:
+        sampler.kind, sampler.vllm = "vllm", VllmSettings(max_model_len=needed - 1)
+        with pytest.raises(
+            PolicyError, match=f"needs {needed} tokens .* model.vllm.max_model_len of {needed - 1}: raise"
+        ):
+            preflight(module, dm)
+        sampler.vllm = VllmSettings(max_model_len=4096)  # above the model's 2048: the model's positions bind
+        assert {fit.limit for fit in preflight(module, dm)} == {2048}
+    finally:
+        sampler.kind, sampler.vllm = kind, settings
+
+
 def test_preflight_checks_the_lengths_the_command_reads(llama3_module, make_datamodule):
     module = llama3_module
     dm = make_datamodule(module.tokenizer, eval_stages=(4,), predict_split="train")
@@ -158,6 +176,6 @@ def test_check_prints_what_was_read_each_stage_and_a_scored_greedy_answer(family
     assert "stop ids: 1025 '<|end_of_text|>', 1028 '<|eom_id|>', 1029 '<|eot_id|>'" in out
     assert "pad: 1029 '<|eot_id|>' (the EOS: the tokenizer sets no pad)" in out
     assert "bos: 1024 '<|begin_of_text|>', 1 in a prompt" in out
-    assert re.search(r"^4 words: ok, \d+ tokens .* limit 2048$", out, re.M)
+    assert re.search(r"^4 words: ok, \d+ tokens .* limit 2048 \(the model's max_position_embeddings\)$", out, re.M)
     assert re.search(r"^8 words: ok, ", out, re.M) and "round trip of the target words: ok" in out
     assert re.search(r"^greedy answer: .*\nscore: \d\.\d{3}$", out, re.M)
