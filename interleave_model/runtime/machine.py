@@ -16,6 +16,7 @@ import dataclasses
 import importlib.util
 import math
 import sys
+from pathlib import Path
 
 import torch
 from lightning.pytorch.utilities import rank_zero_only
@@ -55,9 +56,7 @@ def settle(config, subcommand: str) -> None:
     accelerator = trainer.accelerator if isinstance(trainer.accelerator, str) else None
     cuda = torch.cuda.is_available()
     if accelerator in GPU_ACCELERATORS and not cuda:
-        raise MachineError(
-            f"trainer.accelerator is {accelerator!r}, but this machine has no GPU: run with --trainer.accelerator cpu"
-        )
+        raise MachineError(f"trainer.accelerator is {accelerator!r}, but {no_gpu_reason()}")
     on_cpu = accelerator == "cpu" or (accelerator == "auto" and not cuda and not torch.backends.mps.is_available())
     precision = str(trainer.precision)
     if on_cpu and precision.startswith("bf16") and not cpu_has_bf16():
@@ -173,3 +172,18 @@ def cpu_memory() -> tuple[int, int]:
 
 def _gib(size: float) -> str:
     return f"{size / 2**30:.1f}"
+
+
+def no_gpu_reason(driver_file: str = "/proc/driver/nvidia/version") -> str:
+    """Why torch sees no GPU, and what to do: no NVIDIA driver at all, or one too old for this torch's CUDA build
+    (PyPI's Linux torch wheels are built for a recent CUDA, which needs a recent driver)."""
+    try:
+        driver = Path(driver_file).read_text().split("Kernel Module", 1)[-1].split()[0]
+    except (OSError, IndexError):
+        return "this machine has no GPU: run with --trainer.accelerator cpu"
+    built = torch.version.cuda or "no CUDA (a CPU build)"
+    return (
+        f"torch {torch.__version__}, built for CUDA {built}, cannot use this machine's NVIDIA driver {driver}: "
+        "install a torch built for a CUDA version this driver supports (nvidia-smi names the highest), or update the "
+        "driver"
+    )

@@ -58,6 +58,20 @@ def test_a_gpu_accelerator_without_a_gpu_is_refused_with_what_to_change(accelera
         settle(_config(accelerator), "fit")
 
 
+def test_a_driver_too_old_for_torchs_cuda_is_named_not_taken_for_no_gpu(tmp_path, monkeypatch):
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC 2023\n")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+
+    reason = machine.no_gpu_reason(str(driver))
+
+    assert reason.startswith(f"torch {torch.__version__}, built for CUDA 13.0, cannot use this machine's NVIDIA driver")
+    assert "driver 535.104.05: install a torch built for a CUDA version this driver supports" in reason
+    assert (
+        machine.no_gpu_reason(str(tmp_path / "none")) == "this machine has no GPU: run with --trainer.accelerator cpu"
+    )
+
+
 @pytest.mark.parametrize("accelerator", ["cpu", "auto"])
 def test_bf16_on_a_cpu_without_bf16_runs_32_true_with_one_warning(accelerator, no_gpu, monkeypatch, capsys):
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
