@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from lightning.pytorch.utilities import rank_zero_warn
+
 from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
 from interleave_model.evaluation.alignment import align
@@ -48,7 +50,29 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
     for fit in fits:
         check_fit(fit)
     check_round_trip(module.tokenizer, [e.target for n in served for e in _examples(datamodule, n)])
+    for line in few_texts(datamodule, served):
+        rank_zero_warn(line)
     return fits
+
+
+# a held-out score at a length resting on fewer texts than this measures those texts more than the length
+FEW_TEXTS = 5
+
+
+def few_texts(datamodule, served: list[int]) -> list[str]:
+    """One line per length whose held-out pairs come from fewer than `FEW_TEXTS` texts (long lengths of a small
+    corpus: the default one has 8 validation and 8 test texts, and 3 of each of 500 words or more)."""
+    lines = []
+    for n in served:
+        for split in ("val", "test"):
+            examples = datamodule.examples(n, split)
+            texts = {e.text_a for e in examples} | {e.text_b for e in examples}
+            if examples and len(texts) < FEW_TEXTS:
+                lines.append(
+                    f"the {n}-word {split} pairs come from {len(texts)} texts: a score there measures those texts "
+                    "more than the length; add longer texts with data.corpus (docs/DATA.md)"
+                )
+    return lines
 
 
 def lengths(datamodule, stage: str = "fit") -> list[int]:
@@ -136,6 +160,7 @@ def report(module, datamodule) -> list[str]:
     checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
     targets = [e.target for n in served for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
+    lines += [f"warning: {line}" for line in few_texts(datamodule, served)]
     for label, check in checks:
         try:
             lines.append(f"{label}: {check() or 'ok'}")

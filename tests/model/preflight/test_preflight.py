@@ -179,3 +179,18 @@ def test_check_prints_what_was_read_each_stage_and_a_scored_greedy_answer(family
     assert re.search(r"^4 words: ok, \d+ tokens .* limit 2048 \(the model's max_position_embeddings\)$", out, re.M)
     assert re.search(r"^8 words: ok, ", out, re.M) and "round trip of the target words: ok" in out
     assert re.search(r"^greedy answer: .*\nscore: \d\.\d{3}$", out, re.M)
+
+
+def test_held_out_pairs_from_few_texts_are_named_per_length_and_split(tmp_path):
+    from interleave_data.datamodule import InterleaveDataModule
+    from interleave_model.preflight.checks import few_texts
+
+    dm = InterleaveDataModule(stages=[10, 500], train_pairs=4, val_pairs=32, test_pairs=32, cache_dir=str(tmp_path))
+    dm.prepare_data()
+    dm.setup("fit")
+
+    lines = few_texts(dm, [10, 500])  # the default corpus: 8 held-out texts per split at 10 words, 3 at 500
+
+    assert [line.split(":")[0] for line in lines] == ["the 500-word val pairs come from 3 texts"] + [
+        "the 500-word test pairs come from 3 texts"
+    ]
