@@ -109,10 +109,11 @@ class InterleaveCLI(CompatCLI):
 
         Lightning lets the checkpoint's values win over the config and the command line (Lightning-AI/
         pytorch-lightning#20801, #21455), so a run resumed with a smaller `micro_batch_size` or a new learning rate
-        would silently get the old ones again. The model the weights belong to (`WEIGHT_SETTINGS`: the base model, its
-        LoRA shape, the tiny model's shape, template and corpus) comes from the checkpoint; how to train and evaluate
-        with it (sampling, loss, optimization, engine, evaluation; the base's memory options) comes from this command,
-        and each value that differs from the checkpoint's is printed. The learning rate is a function of the step
+        would silently get the old ones again. The model the weights belong to (`WEIGHT_SETTINGS`: the base model,
+        its LoRA shape, the tiny model's shape, template and corpus) comes from the checkpoint; how to train and
+        evaluate with it (sampling, loss, optimization, engine, evaluation; the base's memory options) comes from
+        this command, and each value that differs from the checkpoint's is printed. A `fit` that names another model
+        (base, LoRA shape, tiny shape) is refused in one line. The learning rate is a function of the step
         (`algorithm.schedule`), so a new one takes effect at once. Checkpoints written before the model's settings
         were grouped are read in today's groups (`legacy.grouped_hparams`).
         """
@@ -123,6 +124,7 @@ class InterleaveCLI(CompatCLI):
             kept["base"] = {k: v for k, v in kept["base"].items() if k not in RUN_BASE_SETTINGS}
         _check_tiny_vocabulary(kept, config.data)
         if self.config.subcommand == "fit":
+            _check_same_model(kept, config)
             for line in _differences(hparams, kept, config.model):
                 print(line, file=sys.stderr)
         return kept
@@ -176,6 +178,23 @@ def _differences(hparams: dict, kept: dict, model) -> list[str]:
         lines += [f"resume: {key} is {was!r} in the checkpoint, {new!r} here: this command's value is used"
                   for key, was, new in pairs if was != new]  # fmt: skip
     return lines
+
+
+def _check_same_model(kept: dict, config) -> None:
+    """A resumed fit trains the checkpoint's weights: a command naming another base model, LoRA shape or tiny shape
+    for them is refused in one line (what it would train does not exist)."""
+    model = config.model
+    pairs = [("model.base.name_or_path", kept.get("base", {}).get("name_or_path"), model.base.name_or_path)]
+    for group in ("lora", "tiny"):
+        was, now = kept.get(group), _plain(model.get(group)) or None
+        for name in sorted(set(was or {}) | set(now or {})):
+            pairs.append((f"model.{group}.{name}", (was or {}).get(name), (now or {}).get(name)))
+    changed = [f"{key} is {was!r} in the checkpoint, {now!r} here" for key, was, now in pairs if was != now]
+    if changed:
+        raise SettingsError(
+            f"--ckpt_path continues the checkpoint's model, and this command names another: {'; '.join(changed)}. "
+            "Resume without changing them, or start a new run from its weights with --model.base.init_from"
+        )
 
 
 def _plain(value) -> dict:

@@ -168,7 +168,7 @@ def test_a_resume_takes_this_commands_run_settings_and_keeps_the_checkpoints_mod
     capsys.readouterr()
     resumed = main(["fit", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", "--trainer.max_steps=5",
                     f"--trainer.default_root_dir={tmp_path}", "--model.optimization.learning_rate=0.5",
-                    "--model.optimization.micro_batch_size=1", "--model.tiny.hidden_size=64"])  # fmt: skip
+                    "--model.optimization.micro_batch_size=1"])  # fmt: skip
 
     model = resumed.model
     assert resumed.trainer.global_step == 5 and model.optimization.micro_batch_size == 1
@@ -176,11 +176,29 @@ def test_a_resume_takes_this_commands_run_settings_and_keeps_the_checkpoints_mod
     used = resumed.trainer.optimizers[0].param_groups[0]["lr"]
     assert model.optimization.learning_rate == 0.5
     assert used == pytest.approx(phase_learning_rate("grpo", 4, 5, 0.5, 0.001, 0, 2, "cosine"))  # 0.1625
-    assert model.policy.config.hidden_size == 32  # the weights' shape: the checkpoint's, whatever the command says
+    assert model.policy.config.hidden_size == 32  # the weights' shape: the checkpoint's
     err = capsys.readouterr().err
     assert "resume: model.optimization.learning_rate is 0.001 in the checkpoint, 0.5 here" in err
     assert "model.optimization.micro_batch_size is None in the checkpoint, 1 here" in err
     assert "model.tiny" not in err  # not a run-time setting: nothing to report, the checkpoint's is used
+
+
+@pytest.mark.parametrize("change", ["--model.lora.r=8", "--model.tiny.hidden_size=64"])
+def test_a_resumed_fit_naming_another_model_is_refused_in_one_line(tmp_path, capsys, change):
+    common = ["fit", "--config", str(TINY_CONFIG), "--model.lora.r=4", "--trainer.logger=false"]
+    cli = main([*common, f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3"])
+    cli.trainer.save_checkpoint(tmp_path / "lora.ckpt")
+    capsys.readouterr()
+
+    code = run([*common, f"--trainer.default_root_dir={tmp_path / 'resumed'}", f"--ckpt_path={tmp_path / 'lora.ckpt'}",
+                change])  # fmt: skip
+
+    assert code == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    key, new = change[2:].split("=")
+    assert error.startswith("error: --ckpt_path continues the checkpoint's model, and this command names another: ")
+    assert f"{key} is {4 if 'lora' in key else 32} in the checkpoint, {new} here" in error
+    assert not (tmp_path / "resumed").exists() or not any((tmp_path / "resumed").rglob("*.ckpt"))
 
 
 def test_dynamic_sampling_runs_from_the_command_line(tmp_path):
