@@ -28,7 +28,6 @@ import argparse
 import hashlib
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,13 +35,13 @@ from typing import get_args
 
 import lightning as L
 import torch
+from clock import SAMPLE_KEYS, Clock
 from provenance import provenance
 
 from interleave_data.atomic import replacing
 from interleave_data.curriculum import CurriculumSettings
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_data.hints import HintSettings
-from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.algorithm.rewards import AlignmentReward, BothStreamsReward, PrefixReward
 from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
@@ -50,11 +49,6 @@ from interleave_model.module import InterleaveGRPO
 from interleave_model.run.callbacks import CurriculumCallback
 from interleave_model.settings import AdvantageSign, Credit, GuidanceLoss, LrSchedule, ScaleRewards
 
-# per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
-SAMPLE_KEYS = ("a_accuracy", "b_accuracy", "length_ratio", "copy_share")
-BATCH_KEYS = (*SAMPLE_KEYS, "grad_norm", "grad_clipped")
-# per held-out evaluation, at the first length
-HELD_OUT_KEYS = ("score_stderr", "a_accuracy", "b_accuracy", "length_ratio", "copy_share")
 REWARDS = {"alignment": AlignmentReward, "both_streams": BothStreamsReward, "prefix": PrefixReward}
 
 
@@ -64,70 +58,6 @@ class EndOfWarmStart(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if not trainer.datamodule.curriculum.warm_start(trainer.datamodule.batches_run):
             trainer.should_stop = True
-
-
-class Clock(L.Callback):
-    """Stops GRPO after `minutes` of it, records the held-out curve and, per GRPO batch, its group statistics.
-
-    The budget counts training time: held-out evaluations are left out of it (they cost a real model as much as
-    several steps, and both arms are evaluated alike), and reported apart as `eval_s`. `cpu` counts this process's
-    CPU seconds instead of wall seconds: with one torch thread a run's own work, whatever else shares the machine.
-    """
-
-    def __init__(self, minutes: float, lengths: list[int], cpu: bool = False, stop_file: str | None = None):
-        self.budget, self.lengths, self.stop_file = minutes * 60, lengths, stop_file
-        self.stopped_early = False  # `stop_file` appeared: the arm ended before its budget
-        self.now = time.process_time if cpu else time.perf_counter
-        self.started: float | None = None  # when the first GRPO (or, for a supervised arm, the first) batch began
-        self.evaluating = 0.0  # seconds of held-out evaluation since `started`
-        self._eval_began: float | None = None
-        self.curve: list[dict] = []
-        self.batches: list[dict] = []
-
-    def training_seconds(self) -> float:
-        return 0.0 if self.started is None else self.now() - self.started - self.evaluating
-
-    def on_validation_start(self, trainer, pl_module):
-        self._eval_began = self.now()
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if self.started is None and (batch["phase"] == "grpo" or self.supervised):
-            self.started = self.now()
-
-    supervised = False
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        record = outputs.get("record") if isinstance(outputs, dict) else None
-        if record is not None:
-            G, words = record.num_generations, max(record.n_words)
-            at = [i for i, n in enumerate(record.n_words) if n == words]
-            rewards = record.rewards.view(-1, G)[at]  # [P', G]
-            groups = [record.completions[i * G : (i + 1) * G] for i in at]
-            logged = trainer.callback_metrics
-            self.batches.append({
-                "words": words, "reward": rewards.mean().item(),
-                "zero_std": zero_std_groups(rewards.flatten(), G).float().mean().item(),
-                "identical": sum(len(set(g)) == 1 for g in groups) / len(groups),
-                **{key: float(logged[f"train/{key}"]) for key in BATCH_KEYS if f"train/{key}" in logged},
-            })  # fmt: skip
-        if self.started is not None and self.training_seconds() >= self.budget:
-            trainer.should_stop = True
-        if self.stop_file is not None and os.path.exists(self.stop_file):
-            trainer.should_stop = self.stopped_early = True
-
-    def on_validation_end(self, trainer, pl_module):
-        if self.started is not None and self._eval_began is not None:
-            self.evaluating += self.now() - self._eval_began
-        if trainer.sanity_checking:
-            return
-        logged = trainer.callback_metrics
-        scores = {n: round(float(logged[f"val/alignment_{n}w"]), 3) for n in self.lengths}
-        seconds = round(self.training_seconds(), 1)
-        point = {"step": trainer.global_step, "s": seconds, **{f"{n}w": v for n, v in scores.items()}}
-        first = self.lengths[0]  # how its answers hold the two streams, and the score's standard error
-        point |= {key: round(float(logged[f"val/{key}_{first}w"]), 3) for key in HELD_OUT_KEYS}
-        self.curve.append(point)
-        print(f"held-out {scores} at step {trainer.global_step}, {seconds} s", file=sys.stderr, flush=True)
 
 
 def _trainer(args, max_steps: int, callbacks, validate_every: int | None, precision: str = "32-true") -> L.Trainer:
@@ -197,7 +127,7 @@ def warm_start(
         args, module, stages[:1], seed, sft_steps=steps, sft_stages=sft_stages, curriculum=settings,
         eval_stages=stages[:1], val_pairs=args.warm_val_pairs,
     )  # fmt: skip
-    clock = Clock(0.0, stages[:1])  # its held-out curve
+    clock = Clock(0.0)  # its held-out curve
     started = time.perf_counter()
     callbacks = [clock, CurriculumCallback(export=False), EndOfWarmStart()]
     _trainer(args, steps, callbacks, args.warm_eval_every).fit(module, dm)
@@ -215,10 +145,9 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
     `--minutes`; its curve, group statistics and final scores."""
     L.seed_everything(seed, verbose=False)
     start = {} if warm is None else {"model_name_or_path": str(warm)} if warm.is_dir() else {"init_from": str(warm)}
-    clock = Clock(args.minutes, lengths, cpu=args.clock == "cpu", stop_file=args.stop_file)
+    clock = Clock(args.minutes, cpu=args.clock == "cpu", stop_file=args.stop_file, supervised=arm == "sft")
     callbacks: list[L.Callback] = [clock]
     if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
-        clock.supervised = True
         module = _module(args, seed, **start, sft_steps=10**6, warmup_steps=0)
         dm = _datamodule(args, module, stages, seed, sft_steps=10**6, eval_stages=lengths)
     else:
@@ -249,7 +178,7 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
     out = {
         "arm": arm, "seed": seed, "stages": stages, "minutes": args.minutes, "clock": args.clock,
         "steps": trainer.global_step, "stopped_early": clock.stopped_early,
-        "training_minutes": round(clock.training_seconds() / 60, 1),
+        "training_minutes": round(clock.seconds() / 60, 1),
         "eval_s": round(clock.evaluating, 1),
         "curve": clock.curve, "final": {k: v for k, v in clock.curve[-1].items() if k.endswith("w")},
     }  # fmt: skip

@@ -1,5 +1,5 @@
 """benchmarks/climb.py on the test config: an arm from configs through the CLI's parser, tested before and after,
-one JSON line with its command, commit, curve and counts."""
+one JSON line with its command, commit, curve and counts; an arm goes on from its checkpoint with its clock."""
 
 from __future__ import annotations
 
@@ -17,30 +17,55 @@ from tests.conftest import TINY_CONFIG
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _arm(tmp_path: Path) -> list[str]:
+    overlay = tmp_path / "arm.yaml"
+    data = {"stages": [4, 8], "val_pairs": 4, "curriculum": {"adaptive": {"success": 0.5}}}
+    saves = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+             "init_args": {"save_last": True, "every_n_train_steps": 2, "save_top_k": 0}}  # fmt: skip
+    curriculum = {"class_path": "interleave_model.run.callbacks.CurriculumCallback", "init_args": {"export": False}}
+    trainer = {"max_steps": 8, "val_check_interval": 3, "callbacks": [saves, curriculum]}
+    overlay.write_text(yaml.safe_dump({"trainer": trainer, "data": data}))
+    return [sys.executable, "benchmarks/climb.py", "--config", str(TINY_CONFIG), "--config", str(overlay),
+            "--minutes", "10", "--test-pairs", "4", "--samples", "2", "--bin", "2",
+            "--out", str(tmp_path / "climb.jsonl"), f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
+
+
+def _run(command: list[str]) -> None:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_an_arm_runs_from_its_configs_and_prints_one_line(tmp_path):
-    overlay = tmp_path / "arm.yaml"
-    data = {"stages": [4, 8], "val_pairs": 4, "curriculum": {"adaptive": {"success": 0.5}}}
-    callbacks = [{"class_path": "interleave_model.run.callbacks.CurriculumCallback", "init_args": {"export": False}}]
-    trainer = {"max_steps": 8, "val_check_interval": 3, "callbacks": callbacks}
-    overlay.write_text(yaml.safe_dump({"trainer": trainer, "data": data}))
-    out = tmp_path / "climb.jsonl"
-    command = [sys.executable, "benchmarks/climb.py", "--config", str(TINY_CONFIG), "--config", str(overlay),
-               "--minutes", "10", "--test-pairs", "4", "--samples", "2", "--bin", "2", "--out", str(out),
-               f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
-    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    _run(_arm(tmp_path))
 
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-
-    assert done.returncode == 0, done.stderr[-3000:]
-    (line,) = out.read_text().splitlines()
+    (line,) = (tmp_path / "climb.jsonl").read_text().splitlines()
     arm = json.loads(line)
     assert arm["benchmark"] == "climb" and arm["steps"] == 8 and arm["command"].startswith("python benchmarks/climb.py")
-    assert arm["commit"] and arm["configs"] == [str(TINY_CONFIG), str(overlay)]
+    assert arm["commit"] and arm["configs"] == [str(TINY_CONFIG), str(tmp_path / "arm.yaml")]
     for when in ("test_start", "test_end"):
         assert set(arm[when]) == {"4w", "8w"}
         assert {"score", "score_stderr", "exact_match", "pass@1", "pass@2"} <= arm[when]["4w"].keys()
     assert [p["step"] for p in arm["curve"]] == [3, 6] and arm["curve"][0]["length"] >= 4
     assert len(arm["words"]) == 3 and all(4 <= w <= 8 for w in arm["words"])  # 6 GRPO batches in bins of 2
     assert arm["transitions"][0]["kind"] == "milestone"  # 4 words, ungated, passed at the first GRPO batch
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_resumed_arm_keeps_its_clock_curve_and_start_test(tmp_path):
+    """The first process ends at step 4 (as a SIGTERM pause would, saving last.ckpt); `--resume` goes on to step 8 with
+    the first one's start test, curve, batches and minutes, and tests nothing again before training."""
+    command = _arm(tmp_path)
+    _run([*command, "--trainer.max_steps", "4"])
+    _run([*command, "--resume"])
+
+    first, resumed = (json.loads(line) for line in (tmp_path / "climb.jsonl").read_text().splitlines())
+    assert first["steps"] == 4 and resumed["steps"] == 8
+    assert resumed["test_start"] == first["test_start"]
+    assert [p["step"] for p in first["curve"]] == [3] and [p["step"] for p in resumed["curve"]] == [3, 6]
+    assert len(resumed["words"]) == 3  # the 2 GRPO batches before the pause are in the first bin
+    assert resumed["training_minutes"] >= first["training_minutes"]
+    assert resumed["eval_s"] >= first["eval_s"]

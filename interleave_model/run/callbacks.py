@@ -118,22 +118,22 @@ class CurriculumCallback(L.Callback):
         total = trainer.strategy.reduce(
             torch.tensor(list(local.values()), dtype=torch.float64, device=pl_module.device), reduce_op="sum"
         )
-        reward_sum, rows, groups, n_flat, n_stuck, n_distinct, n_succeeded, n_passed = total.tolist()
-        if not groups:
+        c = dict(zip(local, total.tolist(), strict=True))
+        if not c["groups"]:
             return None
         run = trainer.datamodule.batches_run
         counts = StepCounts(
-            reward=reward_sum / rows,
-            zero_std_share=n_flat / groups,
-            stuck_share=n_stuck / groups,
-            distinct=n_distinct / groups,
+            reward=c["reward"] / c["rows"],
+            zero_std_share=c["flat"] / c["groups"],
+            stuck_share=c["stuck"] / c["groups"],
+            distinct=c["distinct"] / c["groups"],
             temperature=pl_module.temperature,
             batch=run - 1,
             next_batch=run + 1,  # the next batch is already fetched at the old stage
             global_step=trainer.global_step,
-            success_rate=n_succeeded / rows,
+            success_rate=c["succeeded"] / c["rows"],
         )
-        return counts, n_passed / groups, words
+        return counts, c["passed"] / c["groups"], words
 
     def _apply(self, decision: Decision, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if decision.export_words is not None and self.export:
@@ -166,7 +166,8 @@ class CurriculumCallback(L.Callback):
 def group_counts(record, words: int, success: float) -> dict[str, float]:
     """Sums over the groups of a GRPO batch's `StepRecord` drawn at `words` words, when `words` is the batch's longest
     length (replayed rows are shorter): reward, rows, groups, zero-variance groups, stuck groups (zero variance and
-    below `success`), distinct completions, successful rows (reward >= `success`) and groups holding one (pass@G)."""
+    below `success`), distinct completions, groups of one answer repeated, successful rows (reward >= `success`) and
+    groups holding one (pass@G)."""
     G = record.num_generations
     rewards = record.rewards.detach().float().cpu()  # [P*G]
     grouped = rewards.view(-1, G)  # [P, G]
@@ -182,6 +183,7 @@ def group_counts(record, words: int, success: float) -> dict[str, float]:
         "flat": float(flat.sum()),
         "stuck": float(stuck.sum()),
         "distinct": float(sum(d for d, keep in zip(distinct, at_words.tolist(), strict=True) if keep)),
+        "identical": float(sum(d == 1 for d, keep in zip(distinct, at_words.tolist(), strict=True) if keep)),
         "succeeded": float(succeeded.sum()),
         "passed": float(succeeded.any(dim=1).sum()),
     }
