@@ -8,8 +8,11 @@ import json
 import os
 import shlex
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
+import yaml
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningCLI
@@ -22,6 +25,7 @@ from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import report
+from interleave_model.preflight.rehearsal import rehearse
 from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.run.interrupt import StopOnSignal
 from interleave_model.run.runs import RunError, config_filename, place_run, requeue_save_path
@@ -63,15 +67,26 @@ class InterleaveTrainer(Trainer):
         `--ckpt_path last` finds it (`interleave_model.run.runs.requeue_save_path`)."""
         super().save_checkpoint(requeue_save_path(self, filepath), weights_only, storage_options)
 
-    def check(self, model: LightningModule, datamodule: LightningDataModule) -> None:
+    def check(self, model: LightningModule, datamodule: LightningDataModule, rehearse: bool = False) -> None:
         """Check a model folder against the config before spending GPU time on it.
 
-        Prints what was read (stop ids, pad, chat template, BOS), each length's tokens against the model's limit, the
-        round trip of the target words, and one greedy answer with its score (`interleave_model.preflight.checks`).
+        Prints what was read (stop ids, pad, chat template, BOS), each length's tokens against the model's limit and
+        texts per split, the round trip of the target words, and one greedy answer with its score
+        (`interleave_model.preflight.checks`). Each problem found is one `error:` line, and the exit status 2.
+
+        Args:
+            model: The module built from the config.
+            datamodule: The DataModule built from the config.
+            rehearse: Then run the config's fit on this CPU, on a small random model of the folder's family: every
+                stage at its true lengths, a resume at the last, an export (`interleave_model.preflight.rehearsal`).
         """
         datamodule.prepare_data()
         datamodule.setup("predict")
-        print("\n".join(report(model.to(self.strategy.root_device), datamodule)))
+        lines = report(model.to(self.strategy.root_device), datamodule)
+        print("\n".join(lines))
+        failed = [line.replace("FAIL ", "", 1) for line in lines if line.split(": ", 1)[-1].startswith("FAIL ")]
+        if failed:
+            raise PolicyError("\nerror: ".join(failed))
 
 
 class InterleaveCLI(CompatCLI):
@@ -94,6 +109,19 @@ class InterleaveCLI(CompatCLI):
         """A vLLM that cannot serve the built model is refused now, or replaced by the own sampler in `check`
         (`interleave_model.runtime.machine.settle_engine`), not met at the first rollout."""
         settle_engine(self.model, self.subcommand)
+
+    def after_check(self) -> None:
+        """`check --rehearse`: the config's fit, rehearsed on this CPU in a temporary folder, once the checks pass."""
+        if not self.config.check.get("rehearse"):
+            return
+        config = yaml.safe_load(self._parser("check").dump(self.config.check, skip_none=False, skip_validation=True))
+        config.pop("rehearse", None)
+        argv, sys.argv = sys.argv, sys.argv[:1]  # the rehearsal's commands are `main`'s arguments, not this one's
+        try:
+            with tempfile.TemporaryDirectory(prefix="rehearsal-") as workdir:
+                print("\n".join(rehearse(config, Path(workdir), main)), flush=True)
+        finally:
+            sys.argv = argv
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.run.runs`).
@@ -228,6 +256,10 @@ def main(args: list[str] | None = None, callbacks: list[Callback] | None = None)
 
     `callbacks` join the config's (benchmarks add their clock this way, so an arm runs as the config says)."""
     configure_console()
+    if args is None:
+        sys.argv[1:] = bare_flags(sys.argv[1:])
+    else:
+        args = bare_flags(args)
     check_moved_keys(sys.argv[1:] if args is None else args)
     defaults = {"enable_model_summary": False}  # quiet by default; its FLOPs column reads 0 here
     return InterleaveCLI(
@@ -238,6 +270,12 @@ def main(args: list[str] | None = None, callbacks: list[Callback] | None = None)
         save_config_kwargs={"overwrite": True},
         trainer_defaults=defaults | ({"callbacks": callbacks} if callbacks else {}),
     )
+
+
+def bare_flags(args: list[str], flags: tuple[str, ...] = ("--rehearse",)) -> list[str]:
+    """A flag written alone (`check --rehearse`) means `--rehearse=true`: the parser's booleans take a value."""
+    alone = [a in flags and (i + 1 == len(args) or args[i + 1].startswith("--")) for i, a in enumerate(args)]
+    return [f"{a}=true" if bare else a for a, bare in zip(args, alone, strict=True)]
 
 
 def run(args: list[str] | None = None) -> int:

@@ -55,24 +55,43 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
     return fits
 
 
-# a held-out score at a length resting on fewer texts than this measures those texts more than the length
-FEW_TEXTS = 5
+# a held-out score at a length resting on fewer texts than this measures those texts more than the length: a fit
+# warns below FEW_TEXTS, `check` below CHECK_FEW_TEXTS validation texts (and refuses below 2: no spread to measure)
+FEW_TEXTS, CHECK_FEW_TEXTS = 5, 10
 
 
-def few_texts(datamodule, served: list[int]) -> list[str]:
-    """One line per length whose held-out pairs come from fewer than `FEW_TEXTS` texts (long lengths of a small
+def text_counts(datamodule, n_words: int) -> dict[str, int]:
+    """The distinct texts each split's pairs of `n_words` words are drawn from."""
+    counts = {}
+    for split in ("train", "val", "test"):
+        examples = datamodule.examples(n_words, split)
+        counts[split] = len({e.text_a for e in examples} | {e.text_b for e in examples})
+    return counts
+
+
+def few_texts(datamodule, served: list[int], below: int = FEW_TEXTS, splits=("val", "test")) -> list[str]:
+    """One line per length and split whose held-out pairs come from fewer than `below` texts (long lengths of a small
     corpus: the default one has 8 validation and 8 test texts, and 3 of each of 500 words or more)."""
     lines = []
     for n in served:
-        for split in ("val", "test"):
-            examples = datamodule.examples(n, split)
-            texts = {e.text_a for e in examples} | {e.text_b for e in examples}
-            if examples and len(texts) < FEW_TEXTS:
-                lines.append(
-                    f"the {n}-word {split} pairs come from {len(texts)} texts: a score there measures those texts "
-                    "more than the length; add longer texts with data.corpus (docs/DATA.md)"
-                )
+        counts = text_counts(datamodule, n)
+        lines += [f"the {n}-word {split} pairs come from {counts[split]} texts: a score there measures those texts "
+                  "more than the length; add longer texts with data.corpus (docs/DATA.md)"
+                  for split in splits if datamodule.examples(n, split) and counts[split] < below]  # fmt: skip
     return lines
+
+
+def text_lines(datamodule, served: list[int]) -> list[str]:
+    """`check`'s lines on texts: each length's count per split, a warning below `CHECK_FEW_TEXTS` validation texts,
+    a FAIL below 2."""
+    lines = []
+    for n in served:
+        counts = text_counts(datamodule, n)
+        lines.append(f"{n} words: texts train {counts['train']}, val {counts['val']}, test {counts['test']}")
+        if datamodule.examples(n, "val") and counts["val"] < 2:
+            fix = "add longer texts with data.corpus (docs/DATA.md), or drop the length"
+            lines.append(f"{n} words: FAIL its validation pairs come from {counts['val']} text, fewer than 2: {fix}")
+    return lines + [f"warning: {line}" for line in few_texts(datamodule, served, CHECK_FEW_TEXTS, ("val",))]
 
 
 def lengths(datamodule, stage: str = "fit") -> list[int]:
@@ -160,7 +179,7 @@ def report(module, datamodule) -> list[str]:
     checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
     targets = [e.target for n in served for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
-    lines += [f"warning: {line}" for line in few_texts(datamodule, served)]
+    lines += text_lines(datamodule, served)
     for label, check in checks:
         try:
             lines.append(f"{label}: {check() or 'ok'}")

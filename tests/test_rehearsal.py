@@ -1,0 +1,97 @@
+"""`cli.py check`: each problem one `error:` line and exit 2; `check --rehearse`: the config's fit on a small random
+model of the folder's family, every stage, a resume and an export, on the configured engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from cli import bare_flags, run
+from interleave_model.preflight.checks import text_lines
+from interleave_model.preflight.rehearsal import shrink
+from interleave_model.runtime import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+CURRICULUM_3B = str(ROOT / "configs" / "llama-3.2-3b-curriculum.yaml")
+
+
+@pytest.fixture(scope="module")
+def llama32(tmp_path_factory, family_folders) -> Path:
+    """The Llama-3 fixture with Llama-3.2's 131,072 positions, so a config's own `max_model_len` is the limit."""
+    folder = tmp_path_factory.mktemp("llama32")
+    shrink(str(family_folders["llama3"]), folder)
+    config = AutoConfig.from_pretrained(folder)
+    config.max_position_embeddings = 131072
+    config.save_pretrained(folder)
+    return folder
+
+
+def test_a_shrunk_folder_keeps_the_family_and_its_tokenizer(family_folders, tmp_path):
+    source = family_folders["llama3"]
+    out = shrink(str(source), tmp_path / "small")
+    config, original = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(source)
+    assert config.model_type == original.model_type and config.vocab_size == original.vocab_size
+    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (2, 128, 64)
+    tokenizer, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(source)
+    assert tokenizer.chat_template == theirs.chat_template and tokenizer("a b c") == theirs("a b c")
+    assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+
+
+def test_a_bare_flag_takes_true_and_a_valued_one_is_kept():
+    assert bare_flags(["check", "--rehearse"]) == ["check", "--rehearse=true"]
+    assert bare_flags(["check", "--rehearse", "--config", "c"]) == ["check", "--rehearse=true", "--config", "c"]
+    assert bare_flags(["check", "--rehearse", "false"]) == ["check", "--rehearse", "false"]
+
+
+def test_texts_per_split_warn_below_ten_and_fail_below_two():
+    def examples(n, split):
+        texts = {"train": 20, "val": 1 if n == 500 else 4, "test": 5}[split]
+        return [SimpleNamespace(text_a=f"{split}{i}", text_b=f"{split}{i + 1}") for i in range(texts)]
+
+    lines = text_lines(SimpleNamespace(examples=examples), [10, 500])
+    assert "10 words: texts train 21, val 5, test 6" in lines
+    assert [line for line in lines if "FAIL" in line] == []  # 1 pair holds 2 texts
+    one = text_lines(SimpleNamespace(examples=lambda n, split: [SimpleNamespace(text_a="x", text_b="x")]), [500])
+    assert one[1].startswith("500 words: FAIL its validation pairs come from 1 text, fewer than 2")
+    assert one[2].startswith("warning: the 500-word val pairs come from 1 texts")
+    assert sum(line.startswith("warning:") for line in lines) == 2  # 5 and 2 validation texts, both under 10
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's run of the GPU configs")
+def test_check_with_a_short_max_model_len_exits_2_with_a_line_per_stage(llama32, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
+    code = run(["check", "--config", CURRICULUM_3B, f"--model.base.name_or_path={llama32}",
+                "--model.vllm.max_model_len=1024", "--data.train_pairs=4", "--data.val_pairs=2",
+                f"--data.cache_dir={tmp_path}"])  # fmt: skip
+
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) >= 2 and all("more than model.vllm.max_model_len of 1024" in line for line in errors)
+    assert errors[-1].startswith("error: 500 words: the 500-word stage needs")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU's run of the GPU configs")
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_3b_curriculum_rehearses_its_stages_on_the_engine_a_resume_and_an_export(llama32, tmp_path, capsys,
+                                                                                   monkeypatch):  # fmt: skip
+    """The curriculum config's first two stages (its 500-word stage samples ~4,000 tokens an answer with the fixture's
+    small vocabulary: minutes on 2 cores); `configs/llama-3.2-3b.yaml` is rehearsed whole by the command in
+    docs/MODELS.md (tests/test_documented_commands.py)."""
+    pytest.importorskip("vllm")
+    monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    code = run(["check", "--config", CURRICULUM_3B, f"--model.base.name_or_path={llama32}", "--rehearse",
+                "--data.stages=[10, 25]", "--data.curriculum.threshold=0.9",
+                "--model.vllm.kv_cache_memory_bytes=33554432", "--data.train_pairs=4", "--data.val_pairs=2",
+                f"--data.cache_dir={tmp_path}"])  # fmt: skip
+
+    out = capsys.readouterr().out
+    assert code == 0, out[-2000:]
+    assert "rehearsal: 10 words: " in out and "rehearsal: 25 words: " in out
+    assert "at 25 words, resumed" in out and "exported to" in out
+    assert not list(tmp_path.glob("lightning_logs")), "the rehearsal writes only in its own temporary folder"
