@@ -93,5 +93,5 @@ def test_the_3b_curriculum_rehearses_its_stages_on_the_engine_a_resume_and_an_ex
     out = capsys.readouterr().out
     assert code == 0, out[-2000:]
     assert "rehearsal: 10 words: " in out and "rehearsal: 25 words: " in out
-    assert "at 25 words, resumed" in out and "exported to" in out
+    assert "at 25 words, resumed" in out and "held-out evaluation at 10, 25 words: ok" in out and "exported to" in out
     assert not list(tmp_path.glob("lightning_logs")), "the rehearsal writes only in its own temporary folder"

@@ -5,9 +5,10 @@ The model folder's family is shrunk (`shrink`): its tokenizer, vocabulary, chat 
 architecture, with random weights, 2 layers and a width of 128 (heads of 64, what inference engines run). The fit
 then goes through every stage at its true lengths, on the stage's real pairs and on the configured rollout engine
 (vLLM's CPU build where the config names vLLM): each stage is passed after its first GRPO step (a forced advance:
-threshold 0, no held-out gate), the run stops after one step at the last stage and is saved, resumed from that
-checkpoint for one more step, and exported. What it cannot honour on a CPU (CUDA graphs, bf16 without the
-instructions) is turned off as every command turns it off (`interleave_model.runtime.machine`), one line each.
+threshold 0, no held-out gate); the run stops after one step at the last stage and is saved, resumed from that
+checkpoint for one more step, evaluated on 2 held-out pairs at every length, and exported. What it cannot honour
+on a CPU (CUDA graphs, bf16 without the instructions) is turned off as every command turns it off
+(`interleave_model.runtime.machine`), one line each.
 
 What is made small is only what the CPU's time needs: the model's width and depth, the pairs per stage, the prompts
 and samples per step, the held-out pairs. Lengths, tokenizer, prompt template, answer budget, engine, LoRA, loss and
@@ -126,7 +127,7 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     args = fit_args(config_file, model, workdir, stages, min(config["data"]["sft_steps"], 2))
 
     first = Rehearsal(stages[-1])
-    cli = run(["fit", *args], [first])
+    cli = run(["fit", *args, "--trainer.limit_val_batches", "0"], [first])  # the resumed fit's evaluation is enough
     reached = cli.datamodule.curriculum.stage_words
     if reached != stages[-1]:
         raise RuntimeError(f"the rehearsal's fit ended at the {reached}-word stage, not at the last ({stages[-1]})")
@@ -144,6 +145,9 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     if step != saved_step + 1 or resumed.datamodule.curriculum.stage_words != stages[-1]:
         raise RuntimeError(f"the resume from step {saved_step} ended at step {step}, not one step on at the last stage")
     lines.append(f"rehearsal: saved at step {saved_step} at {stages[-1]} words, resumed, step {step}: ok")
+    scored = sorted(int(k.removeprefix("val/alignment_").removesuffix("w")) for k in resumed.trainer.callback_metrics
+                    if k.startswith("val/alignment_"))  # fmt: skip
+    lines.append(f"rehearsal: held-out evaluation at {', '.join(map(str, scored))} words: ok")
     del resumed
 
     out = workdir / "exported"
