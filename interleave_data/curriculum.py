@@ -338,7 +338,8 @@ class Curriculum:
         index = state.stage_index
         if self.adaptive is not None:
             low, high = self.stages[0], self.stages[index]
-            level = next_level(state.level, counts.success_rate, self.adaptive, low, high)
+            rate = counts.success_rate if self.adaptive.signal == "success" else counts.reward
+            level = next_level(state.level, rate, self.adaptive, low, high)
             return self._set_level(counts, level) or Decision("none", self.rolling, index)
         learned = state.steps >= self.min_steps[index] and state.above >= self.patience[index]
         if self.val_thresholds[index] is not None:
