@@ -52,6 +52,11 @@ def test_an_arm_runs_from_its_configs_and_prints_one_line(tmp_path):
     assert len(arm["words"]) == 3 and all(4 <= w <= 8 for w in arm["words"])  # 6 GRPO batches in bins of 2
     assert arm["transitions"][0]["kind"] == "milestone"  # 4 words, ungated, passed at the first GRPO batch
 
+    table = subprocess.run([sys.executable, "benchmarks/climb_table.py", str(tmp_path / "climb.jsonl")], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.splitlines()  # fmt: skip
+    assert table[0] == "| arm | seed | GRPO min | steps | length at end | 4w | 8w |" and len(table) == 3
+    assert table[2].startswith("| arm | 0 |") and "pass@2" in table[2]
+
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
