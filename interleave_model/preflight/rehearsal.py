@@ -27,6 +27,7 @@ import torch
 import yaml
 
 from interleave_model.model.policy import TINY
+from interleave_model.model.shipped import resolve_model
 
 # the shrunk model: 2 layers of 128, heads of 64, whatever the family calls these (Llama, Qwen2, GPT-2 names)
 SHRINK = {"num_hidden_layers": 2, "n_layer": 2, "hidden_size": 128, "n_embd": 128, "intermediate_size": 256,
@@ -38,6 +39,7 @@ def shrink(name_or_path: str, folder: Path, seed: int = 0) -> Path:
     and architecture, with `SHRINK`'s sizes and random weights (float32)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    name_or_path = resolve_model(name_or_path)  # a shipped model's name: its cached folder
     config = AutoConfig.from_pretrained(name_or_path)
     for key, value in SHRINK.items():
         if getattr(config, key, None) is not None:
