@@ -22,17 +22,14 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import lightning as L
 import torch
 from clock import Clock, binned
 from provenance import provenance
 
-sys.path.insert(0, str(Path(__file__).parents[1]))  # cli.py, at the checkout's root
-
-from cli import main  # noqa: E402
-from interleave_model.evaluation.evaluator import Evaluator  # noqa: E402
+from cli import main
+from interleave_model.evaluation.evaluator import Evaluator
 
 MEASURES = ("score", "score_stderr", "exact_match")
 BATCH_KEYS = ("words", "reward", "success", "pass_at_g", "zero_std", "identical")
