@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from cli import bare_flags, run
 from interleave_model.preflight.checks import text_lines
@@ -30,12 +30,13 @@ def llama32(tmp_path_factory, family_folders) -> Path:
     return folder
 
 
-def test_a_shrunk_folder_keeps_the_family_and_its_tokenizer(family_folders, tmp_path):
-    source = family_folders["llama3"]
+def test_a_shrunk_folder_keeps_the_family_and_its_tokenizer(family, tmp_path):
+    name, source = family
     out = shrink(str(source), tmp_path / "small")
     config, original = AutoConfig.from_pretrained(out), AutoConfig.from_pretrained(source)
     assert config.model_type == original.model_type and config.vocab_size == original.vocab_size
-    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (2, 128, 64)
+    assert (config.num_hidden_layers, config.hidden_size) == (2, 128)
+    assert AutoModelForCausalLM.from_pretrained(out).num_parameters() > 0
     tokenizer, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(source)
     assert tokenizer.chat_template == theirs.chat_template and tokenizer("a b c") == theirs("a b c")
     assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
