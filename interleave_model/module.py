@@ -36,8 +36,7 @@ from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.supervised import sft_inputs
 from interleave_model.algorithm.word_credit import word_decisions
-from interleave_model.evaluation.evaluator import Evaluator
-from interleave_model.evaluation.steps import EvaluationSteps
+from interleave_model.evaluation.evaluator import Evaluator, logged_values, prediction_records
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
 from interleave_model.legacy import checkpoint_groups, old_paths
@@ -81,7 +80,7 @@ _SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
 torch.serialization.add_safe_globals([*_SETTINGS, *old_paths(_SETTINGS)])
 
 
-class InterleaveGRPO(EvaluationSteps, L.LightningModule):
+class InterleaveGRPO(L.LightningModule):
     """Policy, frozen reference and GRPO loss for word interleaving.
 
     Args:
@@ -401,6 +400,46 @@ class InterleaveGRPO(EvaluationSteps, L.LightningModule):
             self.manual_backward(loss * weight)
             total += loss.item()
         return total
+
+    # Held-out evaluation: the `Evaluator` (a collaborator) draws the answers through the configured engine, scores
+    # them per length and tables them; these hooks hand it each batch and log its table.
+
+    def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
+
+    def test_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
+
+    def predict_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> list[dict]:
+        """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
+        return prediction_records(batch, *self._answers(batch, batch_idx))
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_table("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_table("test")
+
+    def greedy(self, batch: dict) -> list[str]:
+        """Greedy answers, one per prompt."""
+        return self._rollout(batch, num_generations=1, temperature=0.0).texts
+
+    def _answers(self, batch: dict, batch_idx: int) -> tuple[list[str], list[list[str]] | None]:
+        """Greedy answers and, with `evaluation.num_samples`, sampled ones (`Evaluator.answers`)."""
+
+        def sample(batch: dict, n: int, temperature: float, generator: torch.Generator | None) -> list[str]:
+            return self._rollout(batch, n, temperature, generator).texts
+
+        return self.evaluator.answers(batch, batch_idx, self.global_rank, self.device, sample)
+
+    def _log_table(self, prefix: str) -> None:
+        """Log every measure per length and keep the table in `eval_results` (on every rank: all log the same)."""
+        rows = self.evaluator.table(self._sum_over_ranks)
+        for name, value in logged_values(rows, prefix).items():
+            # already equal on every rank; sync_dist (a mean of equal values) only keeps Lightning quiet
+            self.log(name, value, batch_size=1, sync_dist=True)
+        self._log_step()
+        self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _reference_rewards(self, batch: dict) -> Tensor:
         """The reward each prompt's known answer earns, as its group's reference member (`loss.reference_in_group`)."""
