@@ -23,8 +23,10 @@ from interleave_model.generation.vllm_engine import close_engines
 from interleave_model.legacy import MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
+from interleave_model.model.shipped import resolve_model
 from interleave_model.module import InterleaveGRPO
-from interleave_model.preflight.checks import report
+from interleave_model.preflight.checks import report, stage_fits
+from interleave_model.preflight.estimates import gpu_gib, memory_lines
 from interleave_model.preflight.rehearsal import rehearse
 from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.run.interrupt import StopOnSignal
@@ -67,7 +69,13 @@ class InterleaveTrainer(Trainer):
         `--ckpt_path last` finds it (`interleave_model.run.runs.requeue_save_path`)."""
         super().save_checkpoint(requeue_save_path(self, filepath), weights_only, storage_options)
 
-    def check(self, model: LightningModule, datamodule: LightningDataModule, rehearse: bool = False) -> None:
+    def check(
+        self,
+        model: LightningModule,
+        datamodule: LightningDataModule,
+        rehearse: bool = False,
+        gpu_memory_gib: float | None = None,
+    ) -> None:
         """Check a model folder against the config before spending GPU time on it.
 
         Prints what was read (stop ids, pad, chat template, BOS), each length's tokens against the model's limit and
@@ -78,7 +86,9 @@ class InterleaveTrainer(Trainer):
             model: The module built from the config.
             datamodule: The DataModule built from the config.
             rehearse: Then run the config's fit on this CPU, on a small random model of the folder's family: every
-                stage at its true lengths, a resume at the last, an export (`interleave_model.preflight.rehearsal`).
+                stage at its true lengths, a resume at the last, an export (`interleave_model.preflight.rehearsal`),
+                and estimate each stage's GPU memory for the real model (`interleave_model.preflight.estimates`).
+            gpu_memory_gib: The GPU those estimates are for; None: this machine's, else an H100 80 GB.
         """
         datamodule.prepare_data()
         datamodule.setup("predict")
@@ -116,12 +126,21 @@ class InterleaveCLI(CompatCLI):
             return
         config = yaml.safe_load(self._parser("check").dump(self.config.check, skip_none=False, skip_validation=True))
         config.pop("rehearse", None)
+        gib = config.pop("gpu_memory_gib", None)
         argv, sys.argv = sys.argv, sys.argv[:1]  # the rehearsal's commands are `main`'s arguments, not this one's
         try:
             with tempfile.TemporaryDirectory(prefix="rehearsal-") as workdir:
                 print("\n".join(rehearse(config, Path(workdir), main)), flush=True)
         finally:
             sys.argv = argv
+        name = config["model"]["base"]["name_or_path"]
+        if name != TINY:
+            from transformers import AutoConfig
+
+            gpu = gpu_gib() if gib is None else (gib, "the GPU named")
+            fits = {f.n_words: (f.prompt_tokens, f.answer_tokens) for f in stage_fits(self.model, self.datamodule)}
+            stages = {n: fits[n] for n in config["data"]["stages"] if n in fits}
+            print("\n".join(memory_lines(config, stages, AutoConfig.from_pretrained(resolve_model(name)), *gpu)))
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.run.runs`).

@@ -3,15 +3,17 @@ model of the folder's family, every stage, a resume and an export, on the config
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from cli import bare_flags, run
 from interleave_model.preflight.checks import text_lines
+from interleave_model.preflight.estimates import shape, step_memory
 from interleave_model.preflight.rehearsal import shrink
 from interleave_model.runtime import machine
 
@@ -40,6 +42,22 @@ def test_a_shrunk_folder_keeps_the_family_and_its_tokenizer(family, tmp_path):
     tokenizer, theirs = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(source)
     assert tokenizer.chat_template == theirs.chat_template and tokenizer("a b c") == theirs("a b c")
     assert (out / "generation_config.json").read_text() == (source / "generation_config.json").read_text()
+
+
+def test_the_memory_estimate_gives_scaling_md_table_for_the_3b_shape():
+    """Llama-3.2-3B's config (no weights) at SCALING's 500-word token counts: its table, figure by figure."""
+    config = LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
+    model = shape(config, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], 16)
+    assert (model.parameters, model.lora_parameters, model.kv_per_token) == (3_212_749_824, 24_313_856, 112 * 1024)
+    engine = step_memory(model, 1490, 1693, prompts=4, generations=16, micro_batch=16, weight_bytes=2,
+                         engine_share_gib=24.0)  # fmt: skip
+    assert round(engine.weights, 2) == 5.98 and round(engine.adapter, 2) == 0.36
+    assert round(engine.rollout_kv, 1) == 12.2 and engine.waves() == 1  # 16 GiB of cache room in 24
+    assert engine.update == pytest.approx(8.16 + 6.93 + 0.5, rel=0.01) and round(engine.trainer_peak) == 22
+    own = step_memory(model, 1490, 1693, 4, 16, 16, 2, None)
+    assert round(own.rollout_kv, 1) == 21.8 and round(own.trainer_peak) == 28
+    assert step_memory(model, 2443, 2885, 4, 16, 16, 2, 24.0).waves() == 2  # the measured 500-word rows
 
 
 def test_a_bare_flag_takes_true_and_a_valued_one_is_kept():
@@ -95,4 +113,6 @@ def test_the_3b_curriculum_rehearses_its_stages_on_the_engine_a_resume_and_an_ex
     assert code == 0, out[-2000:]
     assert "rehearsal: 10 words: " in out and "rehearsal: 25 words: " in out
     assert "at 25 words, resumed" in out and "held-out evaluation at 10, 25 words: ok" in out and "exported to" in out
+    assert "estimate (not measured; docs/SCALING.md's model) for the real model on" in out
+    assert re.search(r"  25 words: trainer [\d.]+ GiB .*; vLLM [\d.]+ GiB, KV [\d.]+ of [\d.]+ GiB: at once", out)
     assert not list(tmp_path.glob("lightning_logs")), "the rehearsal writes only in its own temporary folder"

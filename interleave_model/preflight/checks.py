@@ -46,7 +46,7 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
     """
     check_chat_template(module.tokenizer, datamodule.template, module.base.name_or_path)
     served = lengths(datamodule, stage)
-    fits = [stage_fit(module, n, longest) for n, longest in _longest(datamodule, served).items()]
+    fits = stage_fits(module, datamodule, stage)
     for fit in fits:
         check_fit(fit)
     check_round_trip(module.tokenizer, [e.target for n in served for e in _examples(datamodule, n)])
@@ -126,6 +126,11 @@ def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
     if engine_limit is not None and (limit is None or engine_limit < limit):
         return StageFit(n_words, longest.prompt, answer, engine_limit, "model.vllm.max_model_len")
     return StageFit(n_words, longest.prompt, answer, limit)
+
+
+def stage_fits(module, datamodule, stage: str = "fit") -> list[StageFit]:
+    """Each length the command reads, its longest example's tokens against the model's limit (not checked)."""
+    return [stage_fit(module, n, longest) for n, longest in _longest(datamodule, lengths(datamodule, stage)).items()]
 
 
 def check_fit(fit: StageFit) -> None:

@@ -1,0 +1,145 @@
+"""Estimates of a GRPO step's GPU memory for a real model, from its config alone (no weights): what
+`check --rehearse` prints beside the figures it measures, marked as estimates.
+
+The model is the one docs/SCALING.md walks through for Llama-3.2-3B (LoRA, gradient checkpointing, bf16 weights and
+KV cache, the fused LM head), per stage from the token counts `check` measured:
+
+- weights: the parameters (counted on the meta device) at the base's dtype;
+- the adapter: LoRA's parameters x 16 bytes (fp32 weights, gradients and AdamW's two moments);
+- the rollout's KV cache: 2 x layers x KV heads x head size x 2 bytes per token. The own sampler keeps every row's
+  prompt and answer (`prompts x G x (prompt + answer)`); vLLM stores a group's prompt once
+  (`prompts x (prompt + G x answer)`) inside its share of the GPU (`gpu_memory_utilization`), beside its own copy of
+  the weights and ~2 GiB of work space;
+- the update: each layer's input for a micro-batch (`rows x tokens x hidden x 2 bytes x layers`), one layer
+  recomputed in the backward (`rows x tokens x 2 bytes x (8 x hidden + 6 x intermediate)`, which gives SCALING's
+  table within 1%), and the LM head's fp32 tile and its softmax (0.5 GiB).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+GIB = 2**30
+ADAPTER_BYTES = 16  # fp32 weight, gradient, AdamW's two moments
+ENGINE_WORK_GIB = 2.0  # vLLM's activations of a prefill chunk and the sampler's logits (docs/SCALING.md)
+HEAD_TILE_GIB = 0.5  # the fused LM head's fp32 tile of 2**26 logits and its softmax
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, None: 4, "auto": 2}
+
+
+class Shape(NamedTuple):
+    """What the estimate needs of a model."""
+
+    parameters: int
+    lora_parameters: int
+    layers: int
+    hidden: int
+    intermediate: int
+    kv_per_token: int  # bytes of bf16 keys and values per token, all layers
+
+
+class StepMemory(NamedTuple):
+    """One stage's estimate, in GiB."""
+
+    weights: float
+    adapter: float
+    rollout_kv: float  # the own sampler's cache, or what vLLM's cache must hold
+    engine_kv_room: float | None  # vLLM: its share less its weights and work space; None for the own sampler
+    update: float
+    trainer_peak: float  # what the training process holds at its peak (vLLM's share apart)
+
+    def waves(self) -> int | None:
+        """vLLM: in how many waves the stage's batch passes through the engine's cache (1: at once); None when the
+        engine's share cannot even hold its weights, or for the own sampler."""
+        if self.engine_kv_room is None or self.engine_kv_room <= 0:
+            return None
+        return max(1, math.ceil(self.rollout_kv / self.engine_kv_room))
+
+
+def shape(config, lora_targets: list[str] | None, lora_r: int) -> Shape:
+    """The model of a `transformers` config: parameters counted on the meta device, LoRA's over `lora_targets`."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    lora = 0
+    if lora_targets:
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
+                lora += lora_r * (module.in_features + module.out_features)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    layers = config.num_hidden_layers
+    intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+    return Shape(parameters, lora, layers, config.hidden_size, intermediate, 2 * layers * kv_heads * head_dim * 2)
+
+
+def step_memory(
+    model: Shape,
+    prompt_tokens: int,
+    answer_tokens: int,
+    prompts: int,
+    generations: int,
+    micro_batch: int,
+    weight_bytes: int,
+    engine_share_gib: float | None,
+) -> StepMemory:
+    """The estimate of one stage's step (gradient checkpointing on); `engine_share_gib` None: the own sampler."""
+    weights = model.parameters * weight_bytes / GIB
+    adapter = model.lora_parameters * ADAPTER_BYTES / GIB
+    tokens = prompt_tokens + answer_tokens
+    if engine_share_gib is None:
+        rollout = prompts * generations * tokens * model.kv_per_token / GIB
+        room = None
+    else:
+        rollout = prompts * (prompt_tokens + generations * answer_tokens) * model.kv_per_token / GIB
+        room = engine_share_gib - weights - ENGINE_WORK_GIB
+    inputs = micro_batch * tokens * model.hidden * 2 * model.layers / GIB
+    recomputed = micro_batch * tokens * 2 * (8 * model.hidden + 6 * model.intermediate) / GIB
+    update = inputs + recomputed + HEAD_TILE_GIB
+    peak = weights + adapter + max(update, rollout if room is None else 0.0)
+    return StepMemory(weights, adapter, rollout, room, update, peak)
+
+
+# what an H100 80 GB reports (81,559 MiB): the GPU the estimates are for when this machine has none
+DEFAULT_GPU_GIB = 81559 / 1024
+
+
+def gpu_gib() -> tuple[float, str]:
+    """This machine's first GPU's memory and name, else `DEFAULT_GPU_GIB` for an H100 80 GB."""
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, props.name
+    return DEFAULT_GPU_GIB, "an H100 80 GB (no GPU here)"
+
+
+def memory_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
+    """`check --rehearse`'s estimate lines: one per stage, from its measured (prompt, answer budget) tokens."""
+    base, lora, data = config["model"]["base"], config["model"].get("lora"), config["data"]
+    targets = (lora or {}).get("target_modules") or []
+    if lora and targets == "all-linear":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = shape(model_config, list(targets) if lora else None, (lora or {}).get("r", 0))
+    vllm = config["model"].get("rollout_engine") == "vllm"
+    share = (config["model"].get("vllm") or {}).get("gpu_memory_utilization", 0.9) * gib if vllm else None
+    sampling, optimization = config["model"]["sampling"], config["model"]["optimization"]
+    lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
+    for n, (prompt, answer) in stages.items():
+        m = step_memory(model, prompt, answer, data["batch_size"], sampling["num_generations"],
+                        optimization["micro_batch_size"], DTYPE_BYTES.get(base.get("dtype"), 4), share)  # fmt: skip
+        line = (f"  {n} words: trainer {m.trainer_peak:.1f} GiB (weights {m.weights:.1f}, adapter {m.adapter:.2f}, "
+                f"update {m.update:.1f}")  # fmt: skip
+        if share is None:
+            line += f", rollout KV {m.rollout_kv:.1f})"
+        else:
+            waves = m.waves()
+            fits = "does not hold its weights" if waves is None else "at once" if waves == 1 else f"in {waves} waves"
+            line += f"); vLLM {share:.1f} GiB, KV {m.rollout_kv:.1f} of {max(m.engine_kv_room, 0):.1f} GiB: {fits}"
+            total = m.trainer_peak + share
+            line += f"; total {total:.1f} of {gib:.1f} GiB" + (" (more than the GPU)" if total > gib else "")
+        lines.append(line)
+    return lines
