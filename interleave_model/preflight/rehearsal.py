@@ -17,6 +17,7 @@ checkpointing are the config's.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -59,7 +60,8 @@ def shrink(name_or_path: str, folder: Path, seed: int = 0) -> Path:
 
 def in_folder(config: dict, root: Path) -> dict:
     """`config` with its runs under `root`: the loggers' folders left to the CLI to place there."""
-    config = {**config, "trainer": {**config["trainer"], "default_root_dir": str(root)}}
+    config = copy.deepcopy(config)
+    config["trainer"]["default_root_dir"] = str(root)
     loggers = config["trainer"].get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if isinstance(logger, dict) and isinstance(logger.get("init_args"), dict):
