@@ -45,16 +45,17 @@ def tested(module) -> dict[str, dict[str, float]]:
 
 
 class TestSampling(L.Callback):
-    """Tests with greedy answers and `samples` sampled ones at the rollout's configured temperature, an answer counting
-    for pass@k from the schedule's success level: the same settings before and after training."""
+    """Tests with greedy answers and `samples` sampled ones (at `lengths` only, unless None) at the rollout's configured
+    temperature, an answer counting for pass@k from the schedule's success level: the same settings before and after
+    training."""
 
-    def __init__(self, samples: int):
-        self.samples = samples
+    def __init__(self, samples: int, lengths: list[int] | None):
+        self.samples, self.lengths = samples, lengths
 
     def on_test_start(self, trainer, pl_module):
         success = trainer.datamodule.curriculum.success_level
         settings = replace(pl_module.evaluation, num_samples=self.samples, temperature=pl_module.sampling.temperature,
-                           pass_k=[1, self.samples], pass_threshold=success)  # fmt: skip
+                           pass_k=[1, self.samples], pass_threshold=success, sample_lengths=self.lengths)  # fmt: skip
         pl_module.evaluator = Evaluator(settings, pl_module.evaluator.seed).to(pl_module.device)
 
 
@@ -70,6 +71,7 @@ def main_() -> None:
     parser.add_argument("--resume", action="store_true", help="go on with an arm SIGTERM paused, from its last.ckpt")
     parser.add_argument("--test-pairs", type=int, default=128, help="held-out test pairs per evaluation length")
     parser.add_argument("--samples", type=int, default=8, help="sampled answers per test prompt, for pass@k")
+    parser.add_argument("--sample-lengths", type=int, nargs="+", default=None, help="sample only at these lengths")
     parser.add_argument("--bin", type=int, default=50, help="GRPO batches per reported bin")
     parser.add_argument("--out", default=None, help="append the JSON line to this file as well")
     args, rest = parser.parse_known_args()
@@ -82,7 +84,7 @@ def main_() -> None:
     if args.start:
         common += ["--model.base.init_from", args.start, "--data.sft_steps", "0"]
     common += rest
-    sampling = TestSampling(args.samples)
+    sampling = TestSampling(args.samples, args.sample_lengths)
 
     clock = Clock(args.minutes, cpu=args.clock == "cpu", stop_file=args.stop_file)
     if not args.resume:  # the start's test, kept in the clock's state: a resumed arm finds it in its checkpoint
@@ -100,7 +102,7 @@ def main_() -> None:
         "transitions": [{k: h[k] for k in ("kind", "from_words", "to_words", "global_step")}
                         for h in curriculum.state.history],
         "test_start": clock.extra["test_start"], "test_end": tested(module), "curve": clock.curve,
-        "bin_batches": args.bin, **binned(clock.batches, args.bin, BATCH_KEYS),
+        "sample_lengths": args.sample_lengths, "bin_batches": args.bin, **binned(clock.batches, args.bin, BATCH_KEYS),
     } | context  # fmt: skip
     line = json.dumps(out)
     print(line, flush=True)

@@ -254,12 +254,15 @@ class Evaluation:
         temperature: Sampling temperature of those answers.
         pass_k: The k of each pass@k reported, each <= num_samples; None means [1, num_samples].
         pass_threshold: Alignment score a sampled answer needs to count as correct for pass@k; 1.0 = exact match.
+        sample_lengths: The lengths whose prompts get sampled answers; None: every length. Sampling costs
+            `num_samples` answers a prompt, so pass@k at one frontier length costs a fraction of it at all of them.
     """
 
     num_samples: int = 0
     temperature: float = 1.0
     pass_k: list[int] | None = None
     pass_threshold: float = 1.0
+    sample_lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         resolve_pass_k(self.num_samples, self.pass_k)  # a k outside [1, num_samples] is refused when built

@@ -63,13 +63,14 @@ def test_an_arm_runs_from_its_configs_and_prints_one_line(tmp_path):
 def test_a_resumed_arm_keeps_its_clock_curve_and_start_test(tmp_path):
     """The first process ends at step 4 (as a SIGTERM pause would, saving last.ckpt); `--resume` goes on to step 8 with
     the first one's start test, curve, batches and minutes, and tests nothing again before training."""
-    command = _arm(tmp_path)
+    command = [*_arm(tmp_path), "--sample-lengths", "4"]  # pass@k at the first length only
     _run([*command, "--trainer.max_steps", "4"])
     _run([*command, "--resume"])
 
     first, resumed = (json.loads(line) for line in (tmp_path / "climb.jsonl").read_text().splitlines())
     assert first["steps"] == 4 and resumed["steps"] == 8
     assert resumed["test_start"] == first["test_start"]
+    assert "pass@2" in resumed["test_end"]["4w"] and "pass@2" not in resumed["test_end"]["8w"]
     assert [p["step"] for p in first["curve"]] == [3] and [p["step"] for p in resumed["curve"]] == [3, 6]
     assert len(resumed["words"]) == 3  # the 2 GRPO batches before the pause are in the first bin
     assert resumed["training_minutes"] >= first["training_minutes"]

@@ -181,12 +181,14 @@ class Evaluator(torch.nn.Module):
     def answers(
         self, batch: dict, batch_idx: int, rank: int, device: torch.device, sample: Callable[..., list[str]]
     ) -> tuple[list[str], list[list[str]] | None]:
-        """One greedy answer per prompt, and `num_samples` sampled ones per prompt (None when 0).
+        """One greedy answer per prompt, and `num_samples` sampled ones per prompt (None when 0, or at a length
+        `sample_lengths` leaves out).
 
         `sample(batch, n, temperature, generator)` gives n answers per prompt, group-major; the sampled ones come
         from a generator of their own (`eval_seed`), so they never move the training sampler's stream.
         """
-        n = self.settings.num_samples
+        lengths = self.settings.sample_lengths
+        n = self.settings.num_samples if lengths is None or int(batch["n_words"][0]) in lengths else 0
         groups = None
         if n:
             seed = eval_seed(self.seed, batch["n_words"][0], batch_idx, rank)

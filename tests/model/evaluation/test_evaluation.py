@@ -141,3 +141,22 @@ def test_length_row():
     row = length_row(10, 4, greedy, {"pass@1": torch.tensor(0.25)})
     assert row == {"n_words": 10, "pairs": 4, **dict.fromkeys(GREEDY_KEYS, 0.5), "pass@1": 0.25}
     assert all(isinstance(v, float) for k, v in row.items() if k not in ("n_words", "pairs"))
+
+
+def test_sampled_answers_only_at_the_sample_lengths():
+    """`sample_lengths` [10]: a 10-word batch gets 3 sampled answers a prompt, a 25-word one greedy answers only."""
+    from interleave_model.evaluation.evaluator import Evaluator
+    from interleave_model.settings import Evaluation
+
+    evaluator = Evaluator(Evaluation(num_samples=3, sample_lengths=[10]), seed=0)
+    calls = []
+
+    def sample(batch, n, temperature, generator):
+        calls.append(n)
+        return [f"answer {i}" for i in range(len(batch["targets"]) * n)]
+
+    for words in (10, 25):
+        batch = {"n_words": [words, words], "targets": ["a b", "c d"]}
+        greedy, groups = evaluator.answers(batch, 0, 0, torch.device("cpu"), sample)
+        assert len(greedy) == 2 and (groups is None) is (words == 25)
+    assert calls == [3, 1, 1]  # sampled and greedy at 10 words, greedy only at 25
