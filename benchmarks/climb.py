@@ -4,8 +4,9 @@ The arm is the config, base and overlays (`configs/arms/`), parsed by `cli.py`'s
 the clock, the start, the held-out test before and after, and the JSON line. From the start's weights (`--start`, a
 warm start's checkpoint or model folder; no warm-start steps then), it tests the held-out pairs at every evaluation
 length with greedy answers and `--samples` sampled ones (pass@1 and pass@k: an answer counts from the schedule's
-success level), trains until `--minutes` of GRPO (evaluations left out; `--clock cpu` counts this process's CPU
-time) or until the curriculum stops, then tests again. Extra arguments go to the CLI as they are.
+success level; at `--sample-lengths` only, when given), trains until `--minutes` of GRPO (evaluations left out;
+`--clock cpu` counts this process's CPU time) or until the curriculum stops, then tests again. Extra arguments go to
+the CLI as they are.
 
 An arm may span sessions: SIGTERM (`kill PID`) pauses it, saving its run's `last.ckpt` with the clock's minutes, curve
 and the start's test; the same command with `--resume` goes on from there.
