@@ -108,6 +108,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
         "eval_temperature": ("evaluation", "temperature"),
         "pass_k": ("evaluation", "pass_k"),
         "pass_threshold": ("evaluation", "pass_threshold"),
+        "sample_lengths": ("evaluation", "sample_lengths"),
     }
 
 
