@@ -92,11 +92,10 @@ class InterleaveTrainer(Trainer):
         """
         datamodule.prepare_data()
         datamodule.setup("predict")
-        lines = report(model.to(self.strategy.root_device), datamodule)
+        lines, problems = report(model.to(self.strategy.root_device), datamodule)
         print("\n".join(lines))
-        failed = [line.replace("FAIL ", "", 1) for line in lines if line.split(": ", 1)[-1].startswith("FAIL ")]
-        if failed:
-            raise PolicyError("\nerror: ".join(failed))
+        if problems:
+            raise PolicyError("\nerror: ".join(problems))
 
 
 class InterleaveCLI(CompatCLI):

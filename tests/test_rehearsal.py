@@ -71,11 +71,13 @@ def test_texts_per_split_warn_below_ten_and_fail_below_two():
         texts = {"train": 20, "val": 1 if n == 500 else 4, "test": 5}[split]
         return [SimpleNamespace(text_a=f"{split}{i}", text_b=f"{split}{i + 1}") for i in range(texts)]
 
-    lines = text_lines(SimpleNamespace(examples=examples), [10, 500])
+    lines, problems = text_lines(SimpleNamespace(examples=examples), [10, 500])
     assert "10 words: texts train 21, val 5, test 6" in lines
-    assert [line for line in lines if "FAIL" in line] == []  # 1 pair holds 2 texts
-    one = text_lines(SimpleNamespace(examples=lambda n, split: [SimpleNamespace(text_a="x", text_b="x")]), [500])
+    assert [line for line in lines if "FAIL" in line] == [] and problems == []  # 1 pair holds 2 texts
+    one, [problem] = text_lines(SimpleNamespace(examples=lambda n, split: [SimpleNamespace(text_a="x", text_b="x")]),
+                                [500])  # fmt: skip
     assert one[1].startswith("500 words: FAIL its validation pairs come from 1 text, fewer than 2")
+    assert problem.startswith("500 words: its validation pairs come from 1 text, fewer than 2")
     assert one[2].startswith("warning: the 500-word val pairs come from 1 texts")
     assert sum(line.startswith("warning:") for line in lines) == 2  # 5 and 2 validation texts, both under 10
 

@@ -81,17 +81,19 @@ def few_texts(datamodule, served: list[int], below: int = FEW_TEXTS, splits=("va
     return lines
 
 
-def text_lines(datamodule, served: list[int]) -> list[str]:
-    """`check`'s lines on texts: each length's count per split, a warning below `CHECK_FEW_TEXTS` validation texts,
-    a FAIL below 2."""
-    lines = []
+def text_lines(datamodule, served: list[int]) -> tuple[list[str], list[str]]:
+    """`check`'s lines on texts (each length's count per split, a warning below `CHECK_FEW_TEXTS` validation texts, a
+    FAIL below 2) and its problems (one per FAIL)."""
+    lines, problems = [], []
     for n in served:
         counts = text_counts(datamodule, n)
         lines.append(f"{n} words: texts train {counts['train']}, val {counts['val']}, test {counts['test']}")
         if datamodule.examples(n, "val") and counts["val"] < 2:
             fix = "add longer texts with data.corpus (docs/DATA.md), or drop the length"
-            lines.append(f"{n} words: FAIL its validation pairs come from {counts['val']} text, fewer than 2: {fix}")
-    return lines + [f"warning: {line}" for line in few_texts(datamodule, served, CHECK_FEW_TEXTS, ("val",))]
+            problem = f"its validation pairs come from {counts['val']} text, fewer than 2: {fix}"
+            lines.append(f"{n} words: FAIL {problem}")
+            problems.append(f"{n} words: {problem}")
+    return lines + [f"warning: {line}" for line in few_texts(datamodule, served, CHECK_FEW_TEXTS, ("val",))], problems
 
 
 def lengths(datamodule, stage: str = "fit") -> list[int]:
@@ -159,8 +161,9 @@ def check_round_trip(tokenizer, targets: list[str]) -> None:
             )
 
 
-def report(module, datamodule) -> list[str]:
-    """What `python cli.py check` prints: what was read from the model folder, each check, one greedy answer."""
+def report(module, datamodule) -> tuple[list[str], list[str]]:
+    """What `python cli.py check` prints (what was read from the model folder, each check, one greedy answer), and
+    each problem found, one line each (a FAIL among the lines)."""
     tok = module.tokenizer
     name = module.base.name_or_path
     stops = ", ".join(f"{i} {tok.convert_ids_to_tokens(i)!r}" for i in module.stop_ids)
@@ -174,7 +177,7 @@ def report(module, datamodule) -> list[str]:
     try:
         check_chat_template(tok, datamodule.template, name)
     except PolicyError as err:
-        return lines + [f"FAIL {err}"]
+        return lines + [f"FAIL {err}"], [str(err)]
     served = lengths(datamodule)
     ids = datamodule.collate(_examples(datamodule, served[0])[:1], "eval")["prompt_ids"][0].tolist()
     if tok.bos_token_id is not None:
@@ -184,18 +187,20 @@ def report(module, datamodule) -> list[str]:
     checks = [(f"{n} words", lambda n=n: _fit_line(stage_fit(module, n, counts[n]))) for n in counts]
     targets = [e.target for n in served for e in _examples(datamodule, n)]
     checks.append(("round trip of the target words", lambda: check_round_trip(tok, targets)))
-    lines += text_lines(datamodule, served)
+    texts, problems = text_lines(datamodule, served)
+    lines += texts
     for label, check in checks:
         try:
             lines.append(f"{label}: {check() or 'ok'}")
         except PolicyError as err:
             lines.append(f"{label}: FAIL {err}")
+            problems.append(f"{label}: {err}")
     example = _examples(datamodule, served[0])[0]
     batch = datamodule.collate([example], "eval")
     batch |= {key: batch[key].to(module.device) for key in ("prompt_ids", "prompt_mask")}
     answer = module.greedy(batch)[0]
     score = align(answer, example.target).score
-    return lines + [f"target: {example.target}", f"greedy answer: {answer}", f"score: {score:.3f}"]
+    return lines + [f"target: {example.target}", f"greedy answer: {answer}", f"score: {score:.3f}"], problems
 
 
 def _fit_line(fit: StageFit) -> str:

@@ -181,6 +181,21 @@ def test_check_prints_what_was_read_each_stage_and_a_scored_greedy_answer(family
     assert re.search(r"^greedy answer: .*\nscore: \d\.\d{3}$", out, re.M)
 
 
+@pytest.mark.parametrize("case", ["raising template", "lowercasing"])
+def test_check_of_a_bad_folder_prints_its_fail_and_exits_2_with_the_problem(case, family_folders, tmp_path, capsys):
+    """A template that fails stops the report early, a round trip fails among the checks: each is an error line."""
+    family, spoil, message = BAD[case]
+    folder = _copy(family_folders, family, tmp_path)
+    spoil(folder)
+    code = run(["check", "--config", str(TINY_CONFIG), f"--model.base.name_or_path={folder}", "--trainer.logger=false",
+                f"--data.cache_dir={tmp_path / 'cache'}"])  # fmt: skip
+
+    captured = capsys.readouterr()
+    assert code == 2 and re.search(f"FAIL .*{message}", captured.out)
+    errors = [line for line in captured.err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.search(message, errors[0]), captured.err
+
+
 def test_held_out_pairs_from_few_texts_are_named_per_length_and_split(tmp_path):
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_model.preflight.checks import few_texts
