@@ -35,7 +35,7 @@ from typing import get_args
 
 import lightning as L
 import torch
-from clock import SAMPLE_KEYS, Clock
+from clock import SAMPLE_KEYS, Clock, binned
 from provenance import provenance
 
 from interleave_data.atomic import replacing
@@ -169,9 +169,6 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
     rows, bin_ = clock.batches, args.bin
     bins = [rows[i : i + bin_] for i in range(0, len(rows), bin_)]
 
-    def binned(key: str) -> list[float]:
-        return [round(sum(r[key] for r in b) / len(b), 3) for b in bins]
-
     def binned_logged(key: str) -> list[float | None]:  # a value a batch may lack (no gradient norm on a skip)
         return [round(sum(v) / len(v), 3) if (v := [r[key] for r in b if key in r]) else None for b in bins]
 
@@ -186,9 +183,10 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
     reached = [p for p in clock.curve if p.get(f"{stages[0]}w", 0) >= target and arm in ("lift", "sft")]
     out[f"seconds_to_{target}"] = reached[0]["s"] if reached else None
     if rows:
+        means = binned(rows, bin_, ("reward", "zero_std", "identical"))
         out |= {
-            "bin_batches": bin_, "words": [max(r["words"] for r in b) for b in bins], "reward": binned("reward"),
-            "zero_std_share": binned("zero_std"), "identical_share": binned("identical"),
+            "bin_batches": bin_, "words": [max(r["words"] for r in b) for b in bins], "reward": means["reward"],
+            "zero_std_share": means["zero_std"], "identical_share": means["identical"],
             "zero_std_share_all": round(sum(r["zero_std"] for r in rows) / len(rows), 3),
         }  # fmt: skip
         out |= {f"sample_{key}": binned_logged(key) for key in SAMPLE_KEYS}
