@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from cli import bare_flags, run
 from interleave_model.preflight.checks import text_lines
-from interleave_model.preflight.estimates import shape, step_memory
+from interleave_model.preflight.estimates import memory_lines, shape, step_memory
 from interleave_model.preflight.rehearsal import shrink
 from interleave_model.runtime import machine
 
@@ -58,6 +58,21 @@ def test_the_memory_estimate_gives_scaling_md_table_for_the_3b_shape():
     own = step_memory(model, 1490, 1693, 4, 16, 16, 2, None)
     assert round(own.rollout_kv, 1) == 21.8 and round(own.trainer_peak) == 28
     assert step_memory(model, 2443, 2885, 4, 16, 16, 2, 24.0).waves() == 2  # the measured 500-word rows
+    assert shape(config, "all-linear", 16).lora_parameters == model.lora_parameters  # peft's reading: no output layer
+
+
+def test_the_estimate_lines_read_the_config_as_the_run_does():
+    """No micro-batch means every row at once (4 x 16), no vLLM share means the own sampler, no LoRA no adapter."""
+    config = LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=64, vocab_size=1024)  # fmt: skip
+    run = {"model": {"base": {"dtype": "bfloat16"}, "lora": None, "rollout_engine": "own",
+                     "sampling": {"num_generations": 16}, "optimization": {"micro_batch_size": None}},
+           "data": {"batch_size": 4}}  # fmt: skip
+    (head, line) = memory_lines(run, {500: (10000, 5000)}, config, 80.0, "a test GPU")
+    expected = step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 64, 2, None)
+    assert expected.update > step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 16, 2, None).update + 0.1
+    assert head.endswith("on a test GPU, 80.0 GiB:") and "adapter 0.00" in line
+    assert f"update {expected.update:.1f}" in line and f"rollout KV {expected.rollout_kv:.1f})" in line
 
 
 def test_a_bare_flag_takes_true_and_a_valued_one_is_kept():

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from interleave_model.settings import ALL_LINEAR, VllmSettings
+
 GIB = 2**30
 ADAPTER_BYTES = 16  # fp32 weight, gradient, AdamW's two moments
 ENGINE_WORK_GIB = 2.0  # vLLM's activations of a prefill chunk and the sampler's logits (docs/SCALING.md)
@@ -58,18 +60,21 @@ class StepMemory(NamedTuple):
         return max(1, math.ceil(self.rollout_kv / self.engine_kv_room))
 
 
-def shape(config, lora_targets: list[str] | None, lora_r: int) -> Shape:
-    """The model of a `transformers` config: parameters counted on the meta device, LoRA's over `lora_targets`."""
+def shape(config, lora_targets: list[str] | str | None, lora_r: int) -> Shape:
+    """The model of a `transformers` config: parameters counted on the meta device, LoRA's over `lora_targets`
+    (module names, or "all-linear": every linear layer but the output layer, as peft reads it; None: no LoRA)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parameters = sum(p.numel() for p in model.parameters())
+    output = model.get_output_embeddings()
     lora = 0
-    if lora_targets:
-        for name, module in model.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in lora_targets:
-                lora += lora_r * (module.in_features + module.out_features)
+    for name, module in model.named_modules() if lora_targets else ():
+        if not isinstance(module, torch.nn.Linear) or module is output:
+            continue
+        if lora_targets == ALL_LINEAR or name.rsplit(".", 1)[-1] in lora_targets:
+            lora += lora_r * (module.in_features + module.out_features)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -120,17 +125,17 @@ def gpu_gib() -> tuple[float, str]:
 def memory_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
     """`check --rehearse`'s estimate lines: one per stage, from its measured (prompt, answer budget) tokens."""
     base, lora, data = config["model"]["base"], config["model"].get("lora"), config["data"]
-    targets = (lora or {}).get("target_modules") or []
-    if lora and targets == "all-linear":
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    model = shape(model_config, list(targets) if lora else None, (lora or {}).get("r", 0))
+    targets = lora.get("target_modules", ALL_LINEAR) if lora else None
+    model = shape(model_config, targets, lora.get("r", 0) if lora else 0)
     vllm = config["model"].get("rollout_engine") == "vllm"
-    share = (config["model"].get("vllm") or {}).get("gpu_memory_utilization", 0.9) * gib if vllm else None
-    sampling, optimization = config["model"]["sampling"], config["model"]["optimization"]
+    utilization = (config["model"].get("vllm") or {}).get("gpu_memory_utilization", VllmSettings.gpu_memory_utilization)
+    share = utilization * gib if vllm else None
+    generations = config["model"]["sampling"]["num_generations"]
+    rows = config["model"]["optimization"].get("micro_batch_size") or data["batch_size"] * generations  # None: all
     lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
     for n, (prompt, answer) in stages.items():
-        m = step_memory(model, prompt, answer, data["batch_size"], sampling["num_generations"],
-                        optimization["micro_batch_size"], DTYPE_BYTES.get(base.get("dtype"), 4), share)  # fmt: skip
+        m = step_memory(model, prompt, answer, data["batch_size"], generations, rows,
+                        DTYPE_BYTES.get(base.get("dtype"), 4), share)  # fmt: skip
         line = (f"  {n} words: trainer {m.trainer_peak:.1f} GiB (weights {m.weights:.1f}, adapter {m.adapter:.2f}, "
                 f"update {m.update:.1f}")  # fmt: skip
         if share is None:
