@@ -1,6 +1,6 @@
 """Speed of the alignment score: median milliseconds per pair at 10-500 words per fragment. Prints one JSON line.
 
-Targets are two fragments of real text (Python's own documentation, `pydoc_data.topics`, so a 500-word pair has
+Targets are two fragments of real text (Python's own documentation, the default corpus, so a 500-word pair has
 far more than edlib's 256 distinct words) interleaved; predictions are the target with about 10% of its words
 substituted, deleted or followed by an extra word. Each size reports `score` and `align` (all diagnostics), the
 plain O(n*m) Python DP timed in the same run (a few pairs only) and the speed-ups against it, the share of pairs past
@@ -19,12 +19,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from pydoc_data.topics import topics
 
 import edlib
 from provenance import provenance
 from rapidfuzz.distance import Levenshtein
 
+from interleave_data.corpus import default_topics
 from interleave_model.evaluation.alignment import (
     EDLIB_MAX_SYMBOLS,
     _bitparallel_runs,
@@ -35,7 +35,7 @@ from interleave_model.evaluation.alignment import (
     score,
 )
 
-VOCABULARY = " ".join(topics.values()).split()
+VOCABULARY = " ".join(default_topics().values()).split()
 WORDS_PER_FRAGMENT = (10, 100, 200, 500)
 DP_PAIRS = {10: 20, 100: 5, 200: 3, 500: 3}
 EDIT_RATE = 0.1

@@ -1,5 +1,7 @@
 """Load texts from the embedded default, JSON / JSONL / .txt files, folders, or HF datasets; clean them; count them."""
 
+import functools
+import gzip
 import hashlib
 import json
 import os
@@ -8,7 +10,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+# The default corpus keeps the name of the module it comes from; its texts are read from a snapshot in the package.
 DEFAULT_SOURCE = "pydoc_data.topics"
+# CPython 3.11.7's `pydoc_data.topics.topics` ({topic: text}), in its order: every Python reads the same texts, so the
+# default pairs (held-out ones included) do not change with the Python version. CPython's documentation is under the
+# PSF License Agreement, which allows its redistribution.
+DEFAULT_SNAPSHOT = Path(__file__).with_name("pydoc_topics.json.gz")
 _HF_PREFIX = "hf:"
 # A bare "owner/name" that is not a local path is read as a hub dataset name.
 _HUB_NAME = re.compile(r"^[\w.-]+/[\w.-]+$")
@@ -66,7 +73,7 @@ def load_corpus(sources: Sequence[str] | None = None) -> Corpus:
     Args:
         sources: Paths (JSON, JSONL, .txt, a folder of .txt files, a HF dataset saved to disk) or hub dataset names
             (``hf:NAME[:CONFIG]`` or ``owner/name``). None or empty means the embedded default, the prose that ships
-            with CPython (``pydoc_data.topics``).
+            with CPython (``pydoc_data.topics``), read from the package's snapshot of CPython 3.11.7's.
 
     Returns:
         The merged corpus with empty texts and exact duplicates dropped and counted.
@@ -102,9 +109,7 @@ def corpus_fingerprint(sources: Sequence[str] | None = None) -> str:
         digest.update(source.encode() + b"\0")
         kind = _kind(source)
         if kind == "default":
-            from pydoc_data.topics import topics
-
-            digest.update(json.dumps(topics, sort_keys=True).encode())
+            digest.update(json.dumps(default_topics(), sort_keys=True).encode())
         elif kind == "hub":
             # private Dataset._fingerprint (datasets 5.2): the content hash `datasets` keeps; no public accessor
             digest.update(_load_hub(source)._fingerprint.encode())
@@ -115,6 +120,12 @@ def corpus_fingerprint(sources: Sequence[str] | None = None) -> str:
                 digest.update(file.relative_to(path).as_posix().encode() if path.is_dir() else b"")
                 digest.update(b"\0" + _read_bytes(file))
     return digest.hexdigest()
+
+
+@functools.cache
+def default_topics() -> dict[str, str]:
+    """The default corpus's texts, `{topic: text}`, from the package's snapshot of CPython 3.11.7's `pydoc_data`."""
+    return json.loads(gzip.decompress(DEFAULT_SNAPSHOT.read_bytes()))
 
 
 def _kind(source: str) -> str:
@@ -156,9 +167,7 @@ def _read_source(source: str) -> Iterator[tuple[str, str]]:
     kind = _kind(source)
     path = Path(source)
     if kind == "default":
-        from pydoc_data.topics import topics
-
-        yield from topics.items()
+        yield from default_topics().items()
     elif kind == "hub":
         yield from _read_hf_rows(source, _load_hub(source))
     elif kind == "dir":

@@ -4,7 +4,7 @@ import re
 import datasets
 import pytest
 
-from interleave_data.corpus import CorpusError, corpus_fingerprint, load_corpus
+from interleave_data.corpus import CorpusError, corpus_fingerprint, default_topics, load_corpus
 
 TEXTS = ["alpha beta, gamma.", "delta  epsilon\n\tzeta eta"]
 
@@ -65,7 +65,7 @@ def test_ids_name_the_source_and_key(tmp_path):
 
 
 def test_default_corpus_is_pydoc_topics_deduplicated():
-    from pydoc_data.topics import topics
+    topics = default_topics()
 
     corpus = load_corpus()
     distinct = {tuple(text.split()) for text in topics.values()} - {()}
@@ -75,6 +75,17 @@ def test_default_corpus_is_pydoc_topics_deduplicated():
     assert all(text.id.startswith("pydoc:") for text in corpus.texts)
     assert corpus.count_at_least(500) == sum(len(words) >= 500 for words in distinct)
     assert corpus.count_at_least(500) >= 2 * 3  # enough for two texts in each of three splits at the last stage
+
+
+def test_default_corpus_is_the_snapshot_whatever_the_python(monkeypatch):
+    """The default texts come from the package's snapshot, never from the running Python's `pydoc_data`."""
+    import pydoc_data.topics
+
+    before = load_corpus().texts
+    monkeypatch.setattr(pydoc_data.topics, "topics", {"other": "text of another Python version"})
+
+    assert load_corpus().texts == before
+    assert len(before) == 78 and before[0].id == "pydoc:assert"
 
 
 def test_sources_merge_and_same_file_names_get_distinct_ids(tmp_path):
