@@ -97,7 +97,8 @@ class Sampling:
             the one in use is the module's (`InterleaveGRPO.temperature`), which a curriculum may raise.
         top_p: Nucleus sampling mass.
         top_k: Keep the k most likely tokens; 0 keeps all.
-        max_new_tokens: Fixed token budget; None sizes it per batch from the targets' token lengths.
+        max_new_tokens: Fixed token budget of the training rollout; None sizes it per batch from the targets' token
+            lengths. Held-out answers have a budget of their length (`generation.rollout.answer_budget`).
         budget_margin: Share of the longest target's token length added to the automatic budget.
         merged_copy: The own sampler's training rollout comes from a copy of the policy with the adapter merged into
             its weights, in this dtype ("float32" or "bfloat16"), refreshed after each update

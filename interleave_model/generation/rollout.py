@@ -45,6 +45,22 @@ def token_budget(target_lengths: Sequence[int], margin: float = 0.25, slack: int
     return math.ceil(max(target_lengths) * (1.0 + margin)) + 1 + slack
 
 
+# Evaluation's budget allows this many tokens for each word of the answer. Byte-level BPEs spend about 1.5 on the
+# default corpus, and at most 2.3 on any 10-word test pair (SmolLM2's tokenizer); a word-level tokenizer spends 1.
+# (`Sampler.eval_budget` gives a finer tokenizer more, from its targets.)
+ANSWER_TOKENS_PER_WORD = 3
+ANSWER_SLACK = 8  # the stop token, and room to spare
+
+
+def answer_budget(n_words: int) -> int:
+    """New tokens a held-out answer to fragments of `n_words` words may take: 3 per answer word, plus 8.
+
+    A function of the length alone, not of the batch or the tokenizer, so that a greedy answer that never stops is cut
+    at the same point in every batch and by every evaluator (the lm-eval tasks' `max_gen_toks` are these values).
+    """
+    return ANSWER_TOKENS_PER_WORD * 2 * n_words + ANSWER_SLACK
+
+
 @torch.no_grad()
 def sample(
     model: torch.nn.Module,

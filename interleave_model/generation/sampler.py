@@ -12,7 +12,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from interleave_model.generation.merged_copy import MergedCopy
-from interleave_model.generation.rollout import Rollout, rollout, token_budget
+from interleave_model.generation.rollout import Rollout, answer_budget, rollout, token_budget
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
 from interleave_model.settings import Sampling, VllmSettings
@@ -61,15 +61,16 @@ class Sampler:
         rank: int = 0,
         training: bool = False,
     ) -> Rollout:
-        """Answers to a batch's prompts, within the budget its targets need, with the configured top-p / top-k.
+        """Answers to a batch's prompts, with the configured top-p / top-k, within the budget its targets need (a
+        `training` rollout) or the held-out budget of its length (`answer_budget`).
 
         `version` names the policy's weights (the global step): the engine (or the merged copy) takes them again
         when it changes. A `training` rollout hands the engine's KV memory to the update after sampling (sleep mode
         on a GPU), and the own sampler draws it from the merged copy when `sampling.merged_copy` is set.
         """
-        kwargs = {"num_generations": num_generations, "max_new_tokens": self.budget(batch["target_ids"]),
-                  "temperature": temperature, "top_p": self.sampling.top_p, "top_k": self.sampling.top_k,
-                  "generator": generator}  # fmt: skip
+        budget = self.budget(batch["target_ids"]) if training else self.eval_budget(batch)
+        kwargs = {"num_generations": num_generations, "max_new_tokens": budget, "temperature": temperature,
+                  "top_p": self.sampling.top_p, "top_k": self.sampling.top_k, "generator": generator}  # fmt: skip
         if self.kind == "own":
             model = self.policy
             if training and self.sampling.merged_copy is not None:
@@ -85,6 +86,15 @@ class Sampler:
     def budget(self, target_ids: list[list[int]]) -> int:
         """Token budget for a batch's targets (their token ids, from `collate`)."""
         return self.budget_for(max(len(ids) for ids in target_ids))
+
+    def eval_budget(self, batch: dict) -> int:
+        """Token budget of a held-out batch: its longest length's `answer_budget`, or more where a target needs it.
+
+        With a tokenizer of at most about 2.3 tokens a word (real models' on the default corpus), that is the
+        length's `answer_budget` whatever the batch; a finer one gets the training rule's room over its longest target.
+        """
+        longest = max(len(ids) for ids in batch["target_ids"])
+        return max(answer_budget(max(batch["n_words"])), token_budget([longest], margin=self.sampling.budget_margin))
 
     def budget_for(self, longest: int) -> int:
         """Token budget for targets of at most `longest` tokens; a fixed budget that cannot hold them is refused, not

@@ -26,7 +26,7 @@ class StageFit(NamedTuple):
 
     n_words: int
     prompt_tokens: int  # the longest prompt, as collated (chat template included)
-    answer_tokens: int  # the sampler's budget for the longest target (`Sampler.budget`)
+    answer_tokens: int  # the larger of the training budget for the longest target and the held-out `answer_budget`
     limit: int | None  # the tighter of the model's positions and vLLM's max_model_len; None when neither is set
     limit_name: str = "the model's max_position_embeddings"  # which one `limit` is
 
@@ -110,7 +110,8 @@ def check_chat_template(tokenizer, template: str, name: str) -> None:
 
 
 def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
-    """Tokens the longest example of `n_words` words needs, by the budget rule the module uses.
+    """Tokens the longest example of `n_words` words needs, by the budget rules the module uses: a training batch's
+    follows its longest target, a held-out batch's is its length's (`answer_budget`); the larger counts.
 
     Args:
         module: An `InterleaveGRPO` (its policy config and budget rule).
@@ -118,9 +119,11 @@ def stage_fit(module, n_words: int, longest: Longest) -> StageFit:
         longest: Its longest prompt and target in tokens, as collated (`token_counts.longest`).
     """
     try:
-        answer = module.sampler.budget_for(longest.target)  # the budget follows a batch's longest target
+        trained = module.sampler.budget_for(longest.target)
+        held_out = module.sampler.eval_budget({"n_words": [n_words], "target_ids": [[0] * longest.target]})
     except ValueError as err:  # a fixed max_new_tokens too small for this stage
         raise PolicyError(f"the {n_words}-word stage: {err}") from err
+    answer = max(trained, held_out)
     config = getattr(module.policy, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     sampler = module.sampler

@@ -16,6 +16,7 @@ from interleave_model.generation.rollout import (
     completion_texts,
     rollout,
     sample,
+    answer_budget,
     token_budget,
 )
 from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
@@ -214,6 +215,27 @@ def test_budget_holds_the_longest_target_with_margin():
     # longest target 20 tokens: ceil(20 * 1.25) = 25, + 1 EOS + 4 slack = 30
     assert token_budget([12, 20, 7], margin=0.25, slack=4) == 30
     assert token_budget([1000]) > 2 * token_budget([400])
+
+
+def test_held_out_budget_is_the_lengths_whatever_the_batch(make_module):
+    sampler = make_module().sampler
+    short, long = {"n_words": [10, 10], "target_ids": [[1] * 20, [1] * 12]}, {"n_words": [10], "target_ids": [[1] * 45]}
+
+    assert sampler.eval_budget(short) == sampler.eval_budget(long) == answer_budget(10) == 3 * 20 + 8
+    # a tokenizer finer than 3 tokens a word gets the training rule's room over its longest target instead
+    assert sampler.eval_budget({"n_words": [10], "target_ids": [[1] * 70]}) == token_budget([70]) > answer_budget(10)
+
+
+def test_an_answer_that_never_stops_is_cut_at_the_held_out_budget(make_module):
+    module = make_module().eval()
+    module.sampler.stop_ids = []  # nothing stops it
+    enc = module.tokenizer(["A: the first B: a second Interleave:"], return_tensors="pt")
+    batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "n_words": [4], "target_ids": [[5] * 8]}
+
+    roll = module.sampler.rollout(batch, num_generations=1, temperature=0.0)
+
+    assert roll.completion_ids.shape[1] == answer_budget(4) == 32 and roll.truncated.tolist() == [True]
+    assert module.sampler.rollout(batch, 1, 0.0, training=True).completion_ids.shape[1] == token_budget([8])
 
 
 def _spread_weights(model, std: float = 0.3) -> None:
