@@ -13,10 +13,10 @@ from interleave_model.generation.rollout import (
     _mask_through_stop,
     _pick,
     _uniform,
+    answer_budget,
     completion_texts,
     rollout,
     sample,
-    answer_budget,
     token_budget,
 )
 from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
