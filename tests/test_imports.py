@@ -7,6 +7,7 @@ A cycle works at runtime only by the order of imports, and it ties files togethe
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,3 +120,13 @@ def test_importing_the_package_installs_the_old_names_and_stays_light():
     code = "import sys, interleave_model; print(type(sys.meta_path[-1]).__name__, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.split() == ["_OldNames", "False"]
+
+
+def test_training_never_imports_lm_eval():
+    """lm-eval is an optional extra (`.[eval]`): only its tasks' functions use the project, never the reverse."""
+    code = "import sys, cli, interleave_model.module; print('lm_eval' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False"]
+    importers = [name for name, path in _project_modules().items()
+                 if re.search(r"^\s*(import|from) lm_eval\b", path.read_text(), re.M)]  # fmt: skip
+    assert importers == []

@@ -1,0 +1,26 @@
+"""lm-evaluation-harness tasks: `interleave_<N>w` for each curriculum length and the group `interleave`.
+
+    lm_eval --model hf --model_args pretrained=PATH --tasks interleave --apply_chat_template \
+        --include_path "$(python -m interleave_model.evaluation.lm_eval_tasks)"
+
+The documents are the held-out test pairs `cli.py test` scores (`documents.load`), the prompt is the project's template,
+the answer greedy within the held-out budget of its length (`answer_budget`), and each answer is scored by the
+project's alignment (`documents.process_results`). This folder holds YAML and the functions they name; nothing in
+training imports lm-eval.
+"""
+
+from pathlib import Path
+
+FOLDER = Path(__file__).parent
+"""The folder to pass to lm-eval as `--include_path`."""
+
+LENGTHS = (10, 25, 50, 100, 200, 500)
+"""One task per length: the curriculum's stages."""
+
+STOP_STRINGS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|endoftext|>", "</s>", "<|end|>")
+"""lm-eval's `until`: the stop tokens of ChatML, Llama-3, GPT-2 and Llama-2 style models, as text. The hf backend adds
+the tokenizer's EOS and HF `generate` stops at the generation config's ids; a server stops at its model's own."""
+
+METRICS = ("alignment", "exact_match", "a_accuracy", "b_accuracy", "first_error")
+"""Per-pair measures, each averaged with its standard error by lm-eval: the alignment score, exact match, the share of
+each fragment's words placed right, and where the answer first goes wrong (relative to the target's length)."""

@@ -1,0 +1,56 @@
+"""The functions the task YAMLs name (`!function documents.<name>`): documents, prompt, per-pair scores.
+
+lm-eval imports this file by its path, so it imports the project by its package names and keeps no state.
+"""
+
+from __future__ import annotations
+
+import datasets
+
+from interleave_data.corpus import load_corpus
+from interleave_data.pairs import build_examples, check_fractions, split_texts
+from interleave_data.prompts import TEMPLATES, format_prompt
+from interleave_model.evaluation.alignment import align
+
+# What `--metadata` may set, with `cli.py test`'s defaults (`data.*` keys of the same names), except the pairs per
+# length: 128, where a score's standard error is small enough to compare models.
+DEFAULTS = {"corpus": None, "seed": 0, "test_pairs": 128, "split_fractions": (0.8, 0.1, 0.1),
+            "template": "two_processes"}  # fmt: skip
+
+
+def load(n_words: int, **metadata) -> datasets.DatasetDict:
+    """The held-out test pairs of one length, as `cli.py test` builds them, in a `test` split.
+
+    `metadata` is lm-eval's `--metadata` (merged with `--model_args`, whose keys are ignored here): `corpus` (a path
+    or a list of sources, as `data.corpus`), `seed`, `test_pairs`, `split_fractions` and `template` (as `data.*`).
+    The first `test_pairs` of a longer build are the same pairs, so 32 here equals `cli.py test`'s default.
+    """
+    settings = DEFAULTS | {key: metadata[key] for key in DEFAULTS if metadata.get(key) is not None}
+    if settings["template"] not in TEMPLATES:
+        raise ValueError(
+            f"--metadata template: unknown {settings['template']!r}; choose one of: {', '.join(TEMPLATES)}"
+        )
+    corpus = settings["corpus"]
+    texts = load_corpus([corpus] if isinstance(corpus, str) else corpus).texts
+    test = split_texts(texts, check_fractions(settings["split_fractions"]), int(settings["seed"]))["test"]
+    examples = build_examples(test, n_words, int(settings["test_pairs"]), int(settings["seed"]), "test")
+    rows = [example.to_dict() | {"prompt": format_prompt(example.a, example.b, settings["template"])}
+            for example in examples]  # fmt: skip
+    return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
+
+
+def doc_to_text(doc: dict) -> str:
+    """The project's prompt, as plain text: lm-eval's `--apply_chat_template` makes it the one user message."""
+    return doc["prompt"]
+
+
+def process_results(doc: dict, results: list[str]) -> dict[str, float]:
+    """One pair's measures from its greedy answer, by the project's alignment (`evaluation.alignment.align`)."""
+    diagnostics = align(results[0], doc["target"])
+    return {
+        "alignment": diagnostics.score,
+        "exact_match": float(diagnostics.distance == 0),
+        "a_accuracy": diagnostics.a_accuracy,
+        "b_accuracy": diagnostics.b_accuracy,
+        "first_error": diagnostics.relative_first_error,
+    }
