@@ -17,10 +17,6 @@ FOLDER = Path(__file__).parent
 LENGTHS = (10, 25, 50, 100, 200, 500)
 """One task per length: the curriculum's stages."""
 
-STOP_STRINGS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|endoftext|>", "</s>", "<|end|>")
-"""lm-eval's `until`: the stop tokens of ChatML, Llama-3, GPT-2 and Llama-2 style models, as text. The hf backend adds
-the tokenizer's EOS and HF `generate` stops at the generation config's ids; a server stops at its model's own."""
-
 METRICS = ("alignment", "exact_match", "a_accuracy", "b_accuracy", "first_error")
 """Per-pair measures, each averaged with its standard error by lm-eval: the alignment score, exact match, the share of
 each fragment's words placed right, and where the answer first goes wrong (relative to the target's length)."""

@@ -1,5 +1,6 @@
 """The lm-eval tasks: their documents are `cli.py test`'s pairs, and each pair's score through lm-eval's hf backend
-equals the project's own on the same model: the tiny model through `cli.py export`, the family folders, SmolLM2."""
+equals the project's own on the same model: the tiny model through `cli.py export` and the family folders (SmolLM2, and
+served models: tests/model/evaluation/test_lm_eval_served.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import yaml
 from cli import main
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_data.prompts import format_prompt
-from interleave_model.evaluation.lm_eval_tasks import FOLDER, LENGTHS, METRICS, STOP_STRINGS
+from interleave_model.evaluation.lm_eval_tasks import FOLDER, LENGTHS, METRICS
 from interleave_model.evaluation.lm_eval_tasks.documents import load
 from interleave_model.generation.rollout import answer_budget
 from tests.conftest import TINY_CONFIG
@@ -34,7 +35,7 @@ def test_one_task_per_curriculum_length_with_the_held_out_budget():
         task = _task(f"interleave_{n}w.yaml")
         assert task["dataset_kwargs"] == {"n_words": n}
         assert task["generation_kwargs"] == {"do_sample": False, "temperature": 0.0, "max_gen_toks": answer_budget(n),
-                                             "until": list(STOP_STRINGS)}  # fmt: skip
+                                             "until": []}  # fmt: skip
 
 
 @pytest.mark.parametrize("metadata", [{}, {"seed": 3, "test_pairs": 5, "template": "compact"}])
@@ -65,7 +66,7 @@ def test_a_corpus_file_and_a_bad_template_through_metadata(tmp_path):
         load(10, template="chatty")
 
 
-def _lm_eval_samples(folder: Path, chat: bool, template: str, tmp_path: Path) -> dict[str, dict]:
+def lm_eval_samples(folder: Path, chat: bool, template: str) -> dict[str, dict]:
     """lm-eval's hf backend, greedy, on the first `PAIRS` pairs of `interleave_10w`: each pair's record by id."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -78,7 +79,7 @@ def _lm_eval_samples(folder: Path, chat: bool, template: str, tmp_path: Path) ->
     return {sample["doc"]["id"]: sample for sample in out["samples"]["interleave_10w"]}
 
 
-def _project_records(args: list[str], tmp_path: Path) -> dict[str, dict]:
+def project_records(args: list[str], tmp_path: Path) -> dict[str, dict]:
     """`cli.py predict` on the test pairs of 10 words, one prompt a batch (the backend's batch size above)."""
     cli = main(["predict", *args, "--data.eval_stages=[10]", f"--data.test_pairs={PAIRS}", "--data.eval_batch_size=1",
                 "--model.evaluation.num_samples=0", f"--trainer.default_root_dir={tmp_path}",
@@ -87,7 +88,7 @@ def _project_records(args: list[str], tmp_path: Path) -> dict[str, dict]:
     return {record["id"]: record for record in map(json.loads, lines)}
 
 
-def _assert_agree(ours: dict[str, dict], theirs: dict[str, dict]) -> None:
+def assert_agree(ours: dict[str, dict], theirs: dict[str, dict]) -> None:
     assert sorted(ours) == sorted(theirs) and len(ours) == PAIRS
     for pair, record in ours.items():
         sample = theirs[pair]
@@ -104,28 +105,14 @@ def test_the_tiny_model_through_export_scores_the_same(tmp_path):
     (checkpoint,) = tmp_path.glob("lightning_logs/version_0/checkpoints/*.ckpt")
     main(["export", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", f"--output_dir={tmp_path / 'hf'}"])
 
-    ours = _project_records(["--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}"], tmp_path)
-    _assert_agree(ours, _lm_eval_samples(tmp_path / "hf", chat=False, template="compact", tmp_path=tmp_path))
+    ours = project_records(["--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}"], tmp_path)
+    assert_agree(ours, lm_eval_samples(tmp_path / "hf", chat=False, template="compact"))
 
 
 @pytest.mark.slow
 def test_family_folders_score_the_same(family, tmp_path):
     name, folder = family
     args = ["--config", str(EVAL_CONFIG), f"--model.base.name_or_path={folder}", "--model.base.dtype=float32"]
-    ours = _project_records(args, tmp_path)
+    ours = project_records(args, tmp_path)
     chat = name != "gpt2"  # the GPT-2 folder has no chat template: plain text on both paths
-    _assert_agree(ours, _lm_eval_samples(folder, chat=chat, template="two_processes", tmp_path=tmp_path))
-
-
-@pytest.mark.slow
-def test_smollm2_scores_the_same(tmp_path):
-    from interleave_model.model import shipped
-
-    folder = shipped.cache_root() / "models" / "smollm2-135m-instruct"  # built by the README's test command
-    args = [
-        "--config",
-        str(EVAL_CONFIG),
-        "--model.base.name_or_path=smollm2-135m-instruct",
-        "--model.base.dtype=float32",
-    ]
-    _assert_agree(_project_records(args, tmp_path), _lm_eval_samples(folder, True, "two_processes", tmp_path))
+    assert_agree(ours, lm_eval_samples(folder, chat=chat, template="two_processes"))

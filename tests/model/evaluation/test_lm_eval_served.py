@@ -1,0 +1,135 @@
+"""SmolLM2 measured three ways gives each pair `cli.py test`'s score: lm-eval's hf backend, and vLLM's OpenAI-compatible
+server (its CPU build) through `served.py`'s chat and completions APIs, with a key that only the environment holds and
+no output shows. A server that refuses, does not answer or refuses the key is one `error:` line, exit status 2."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from interleave_model.evaluation import served
+from interleave_model.model import shipped
+from tests.model.evaluation.test_lm_eval_tasks import EVAL_CONFIG, PAIRS, assert_agree, lm_eval_samples, project_records
+
+NAME = "smollm2-135m-instruct"
+SERVED_NAME = "smollm2"
+
+
+@pytest.fixture(scope="module")
+def folder() -> Path:
+    folder = shipped.cache_root() / "models" / NAME
+    if not (folder / "config.json").is_file():
+        pytest.fail(f"the real model is not built: run `python -m interleave_model.model.shipped {NAME}`")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ours(tmp_path_factory) -> dict[str, dict]:
+    """`cli.py predict` on the first test pairs of 10 words: each pair's answer and scores, by id."""
+    args = ["--config", str(EVAL_CONFIG), f"--model.base.name_or_path={NAME}", "--model.base.dtype=float32"]
+    return project_records(args, tmp_path_factory.mktemp("ours"))
+
+
+@pytest.mark.slow
+def test_the_hf_backend_scores_the_same(folder, ours):
+    assert_agree(ours, lm_eval_samples(folder, chat=True, template="two_processes"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(folder, tmp_path_factory):
+    """vLLM's OpenAI-compatible server of SmolLM2 on a free local port, behind a key; shut down after the module."""
+    pytest.importorskip("vllm")
+    port, key = _free_port(), f"key-{secrets.token_hex(8)}"
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "2048", "--enforce-eager", "--api-key", key]  # fmt: skip
+    env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the vLLM server exited ({process.returncode}):\n{log.read_text()[-3000:]}")
+            try:
+                if requests.get(f"{url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=5).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the vLLM server did not answer in 600 s:\n{log.read_text()[-3000:]}")
+            time.sleep(2)
+        yield url, key
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _served(url: str, *extra: str) -> list[str]:
+    return ["--base_url", url, "--model", SERVED_NAME, "--tasks", "interleave_10w", "--timeout", "120",
+            "--metadata", json.dumps({"test_pairs": PAIRS}), *extra]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("api", ["chat", "completions"])
+def test_the_served_model_scores_the_same_and_the_key_shows_nowhere(
+    server, api, ours, folder, tmp_path, monkeypatch, capsys, caplog
+):
+    url, key = server
+    monkeypatch.setenv(served.KEY_VARIABLE, key)
+    extra = ["--api", api, "--output_path", str(tmp_path / "out")]
+    extra += ["--tokenizer", str(folder)] if api == "completions" else []
+
+    assert served.main(_served(url, *extra)) == 0
+
+    (samples,) = (tmp_path / "out").rglob("samples_interleave_10w_*.jsonl")
+    assert_agree(ours, {s["doc"]["id"]: s for s in map(json.loads, samples.read_text().splitlines())})
+    printed = capsys.readouterr()
+    written = "".join(path.read_text() for path in (tmp_path / "out").rglob("*") if path.is_file())
+    assert "alignment" in printed.out and "interleave_10w" in written
+    assert all(key not in text for text in (printed.out, printed.err, caplog.text, written))
+
+
+@pytest.mark.slow
+def test_a_wrong_key_is_one_line(server, monkeypatch, capsys):
+    url, _ = server
+    monkeypatch.setenv(served.KEY_VARIABLE, "not-the-key")
+    assert served.main(_served(url)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "refused the key in OPENAI_API_KEY (HTTP 401)" in err and "\n" not in err
+
+
+def test_a_refused_connection_is_one_line(capsys):
+    assert served.main(_served(f"http://127.0.0.1:{_free_port()}/v1")) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "connection refused" in err and "\n" not in err
+
+
+def test_a_server_that_does_not_answer_is_one_line(capsys):
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}/v1"
+        assert served.main([*_served(url), "--timeout", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "no answer within 1 s" in err and "\n" not in err
