@@ -2,7 +2,12 @@
 
 ```
 python -m interleave_model.evaluation.report A.json B.json [...]    # print reports side by side, with B - A
+python -m interleave_model.evaluation.report A B --plot curves.png  # and draw their score-vs-length curves
 ```
+
+A report can also be lm-eval's output for the project's tasks (its `results_*.json`, or the `--output_path` folder
+holding one): `from_lm_eval` reads it as a report of the test split, so models measured by lm-eval, served or local,
+stand beside the project's own runs.
 
 A report (`build_report`) is a JSON object: ``split``, ``created``, ``model`` (name, checkpoint, step, every
 hyperparameter), ``generation`` (greedy budget, pass@k sampling), ``data`` (corpus, template, seed, pairs per length),
@@ -17,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -24,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from interleave_data.atomic import replacing
+from interleave_model.evaluation.lm_eval_tasks import DEFAULTS
 
 # Column headers of the Markdown table, in order; measures not listed here follow under their own names.
 COLUMNS = {
@@ -98,12 +105,62 @@ def save_figure(figure, path: str | os.PathLike) -> None:
 
 
 def load_report(path: str | os.PathLike) -> dict[str, Any]:
-    """Read a report; a folder means its ``report.json`` (or ``eval/report.json``, for a run folder)."""
+    """Read a report; a folder means its ``report.json`` (or ``eval/report.json``, for a run folder), or the newest
+    lm-eval ``results_*.json`` below it. lm-eval's results become a report through `from_lm_eval`."""
     path = Path(path)
     if path.is_dir():
-        path = path / "report.json" if (path / "report.json").exists() else path / "eval" / "report.json"
+        found = [p for p in (path / "report.json", path / "eval" / "report.json") if p.exists()]
+        found = found or sorted(path.rglob("results_*.json"), key=lambda p: p.name)[-1:]
+        path = found[0] if found else path / "report.json"
     with open(path, encoding="utf-8") as f:
-        return json.load(f)
+        report = json.load(f)
+    return from_lm_eval(report) if "lm_eval_version" in report else report
+
+
+# lm-eval's name of each project measure, in a task's results ("<metric>,<filter>" and "<metric>_stderr,<filter>")
+LM_EVAL_MEASURES = {"score": "alignment", "score_stderr": "alignment_stderr", "exact_match": "exact_match",
+                    "first_error": "first_error", "a_accuracy": "a_accuracy", "b_accuracy": "b_accuracy"}  # fmt: skip
+
+
+def from_lm_eval(results: Mapping[str, Any]) -> dict[str, Any]:
+    """lm-eval's results of the `interleave_<N>w` tasks as a report: one row per length, the model lm-eval ran.
+
+    Raises:
+        KeyError: The results hold none of the project's tasks.
+    """
+    tasks = {int(m.group(1)): name for name in results["results"] if (m := re.fullmatch(r"interleave_(\d+)w", name))}
+    if not tasks:
+        raise KeyError("no interleave_<N>w task in these lm-eval results")
+    rows = []
+    for n, task in sorted(tasks.items()):
+        values = {key.partition(",")[0]: value for key, value in results["results"][task].items() if "," in key}
+        row = {"n_words": n, "pairs": results["n-samples"][task]["effective"]}
+        rows.append(row | {ours: _number(values.get(theirs)) for ours, theirs in LM_EVAL_MEASURES.items()})
+    config = results["config"]
+    args = config.get("model_args") or {}
+    args = args if isinstance(args, Mapping) else dict(part.split("=", 1) for part in str(args).split(",") if part)
+    metadata = DEFAULTS | (results["configs"][tasks[min(tasks)]].get("metadata") or {})
+    chat = bool(results.get("chat_template")) or config.get("model") == "local-chat-completions"  # the server's
+    model = args.get("pretrained") or args.get("model") or config.get("model")
+    return {
+        "split": "test",
+        "created": datetime.fromtimestamp(float(results.get("date", 0)), timezone.utc).isoformat(timespec="seconds"),
+        "model": {"model_name_or_path": model, "checkpoint": None, "global_step": None, "lora": None},
+        "generation": {
+            "engine": f"lm-eval {results.get('lm_eval_version')}, {config.get('model')}",
+            "num_samples": 0,
+            "chat_template": chat,
+        },  # fmt: skip
+        "data": {key: metadata[key] for key in ("corpus", "template", "seed")}
+        | {"pairs_per_length": metadata["test_pairs"]},
+        "run": {"lm_eval_version": results.get("lm_eval_version")},
+        "lengths": rows,
+    }
+
+
+def _number(value: Any) -> float:
+    """lm-eval writes "N/A" for a standard error it could not compute."""
+    return float(value) if isinstance(value, int | float) else math.nan
 
 
 def measures(report: Mapping[str, Any]) -> list[str]:
@@ -220,17 +277,51 @@ def compare(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def comparison_figure(reports: Sequence[Mapping[str, Any]], names: Sequence[str]):
+    """The reports' greedy score against length, one curve each with its standard error as a band."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = figure.add_subplot()
+    lengths = sorted({row["n_words"] for report in reports for row in report["lengths"]})
+    for label, name, report in zip((chr(ord("A") + i) for i in range(len(reports))), names, reports, strict=False):
+        rows = report["lengths"]
+        x = [row["n_words"] for row in rows]
+        y = [row.get("score", math.nan) for row in rows]
+        ax.plot(x, y, "o-", label=f"{label}: {name}")
+        error = [row.get("score_stderr", math.nan) for row in rows]
+        low, high = [a - e for a, e in zip(y, error, strict=True)], [a + e for a, e in zip(y, error, strict=True)]
+        ax.fill_between(x, low, high, alpha=0.2)
+    if len(lengths) > 1 and max(lengths) / min(lengths) >= 4:
+        ax.set_xscale("log")
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.minorticks_off()
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("words per fragment")
+    ax.set_ylabel("greedy alignment score")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    return figure
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m interleave_model.evaluation.report A.json B.json ...`: print the reports side by side."""
     parser = argparse.ArgumentParser(prog="python -m interleave_model.evaluation.report", description=compare.__doc__)
-    parser.add_argument("reports", nargs="+", help="report.json files, or run / eval folders holding one")
+    parser.add_argument("reports", nargs="+", help="report.json files, run / eval folders, or lm-eval's results")
+    parser.add_argument("--plot", help="also draw the score-vs-length curves into this PNG file")
+    parser.add_argument("--names", nargs="+", help="a short name for each report (default: its path)")
     args = parser.parse_args(argv)
+    names = args.names or args.reports
+    if len(names) != len(args.reports):
+        parser.error(f"--names gives {len(names)} names for {len(args.reports)} reports")
     try:
         reports = [load_report(path) for path in args.reports]
     except (OSError, json.JSONDecodeError, KeyError) as err:
         print(f"error: cannot read report: {err}", file=sys.stderr)
         return 2
-    sys.stdout.write(compare(reports, args.reports))
+    sys.stdout.write(compare(reports, names))
+    if args.plot:
+        save_figure(comparison_figure(reports, names), args.plot)
     return 0
 
 

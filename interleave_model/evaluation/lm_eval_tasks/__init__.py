@@ -20,3 +20,8 @@ LENGTHS = (10, 25, 50, 100, 200, 500)
 METRICS = ("alignment", "exact_match", "a_accuracy", "b_accuracy", "first_error")
 """Per-pair measures, each averaged with its standard error by lm-eval: the alignment score, exact match, the share of
 each fragment's words placed right, and where the answer first goes wrong (relative to the target's length)."""
+
+# What `--metadata` may set, with `cli.py test`'s defaults (`data.*` keys of the same names), except the pairs per
+# length: 128, where a score's standard error is small enough to compare models.
+DEFAULTS = {"corpus": None, "seed": 0, "test_pairs": 128, "split_fractions": (0.8, 0.1, 0.1),
+            "template": "two_processes"}  # fmt: skip

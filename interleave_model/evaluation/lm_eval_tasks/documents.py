@@ -11,11 +11,7 @@ from interleave_data.corpus import load_corpus
 from interleave_data.pairs import build_examples, check_fractions, split_texts
 from interleave_data.prompts import TEMPLATES, format_prompt
 from interleave_model.evaluation.alignment import align
-
-# What `--metadata` may set, with `cli.py test`'s defaults (`data.*` keys of the same names), except the pairs per
-# length: 128, where a score's standard error is small enough to compare models.
-DEFAULTS = {"corpus": None, "seed": 0, "test_pairs": 128, "split_fractions": (0.8, 0.1, 0.1),
-            "template": "two_processes"}  # fmt: skip
+from interleave_model.evaluation.lm_eval_tasks import DEFAULTS
 
 
 def load(n_words: int, **metadata) -> datasets.DatasetDict:

@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from interleave_model.evaluation import served
+from interleave_model.evaluation.report import load_report
 from interleave_model.model import shipped
 from tests.model.evaluation.test_lm_eval_tasks import EVAL_CONFIG, PAIRS, assert_agree, lm_eval_samples, project_records
 
@@ -104,6 +105,9 @@ def test_the_served_model_scores_the_same_and_the_key_shows_nowhere(
 
     (samples,) = (tmp_path / "out").rglob("samples_interleave_10w_*.jsonl")
     assert_agree(ours, {s["doc"]["id"]: s for s in map(json.loads, samples.read_text().splitlines())})
+    (row,) = load_report(tmp_path / "out")["lengths"]  # the comparison reads the served model's results
+    assert (row["n_words"], row["pairs"]) == (10, PAIRS)
+    assert row["score"] == pytest.approx(sum(record["score"] for record in ours.values()) / PAIRS)
     printed = capsys.readouterr()
     written = "".join(path.read_text() for path in (tmp_path / "out").rglob("*") if path.is_file())
     assert "alignment" in printed.out and "interleave_10w" in written

@@ -155,3 +155,47 @@ def test_reports_are_written_whole(tmp_path, name):
     write_report(_report(0.75), tmp_path)  # replaced, and no temporary file is left behind
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
     assert "0.750" in (tmp_path / "report.md").read_text()
+
+
+def _lm_eval_results(scores: dict[int, float], model: str = "local-chat-completions") -> dict:
+    """lm-eval 0.4.13's results file of the project's tasks, in the fields it writes (a served model's)."""
+    tasks = {f"interleave_{n}w": n for n in scores}
+    results = {task: {"alias": task, "alignment,none": scores[n], "alignment_stderr,none": 0.01,
+                      "exact_match,none": 0.0, "exact_match_stderr,none": 0.0, "a_accuracy,none": 0.5,
+                      "a_accuracy_stderr,none": 0.1, "b_accuracy,none": 0.25, "b_accuracy_stderr,none": 0.1,
+                      "first_error,none": 0.125, "first_error_stderr,none": 0.05}
+               for task, n in tasks.items()}  # fmt: skip
+    return {"results": results, "n-samples": {task: {"original": 128, "effective": 128} for task in tasks},
+            "configs": {task: {"metadata": {"version": 1.0, "test_pairs": 128, "model": "llama"}} for task in tasks},
+            "config": {"model": model, "model_args": {"model": "llama", "base_url": "http://h/v1/chat/completions"}},
+            "lm_eval_version": "0.4.13", "date": 1795949800.0, "chat_template": None}  # fmt: skip
+
+
+def test_lm_eval_results_stand_beside_a_report_and_plot(tmp_path, capsys):
+    folder = tmp_path / "lm_eval" / "llama"
+    folder.mkdir(parents=True)
+    (folder / "results_2026-11-29T10-00-00.json").write_text(json.dumps(_lm_eval_results({25: 0.125, 10: 0.75})))
+    ours = write_report(_report(0.5), tmp_path / "ours")
+
+    served = load_report(tmp_path / "lm_eval")  # the --output_path folder finds its results file
+
+    assert served["split"] == "test" and served["model"]["model_name_or_path"] == "llama"
+    assert served["data"] == {"corpus": None, "template": "two_processes", "seed": 0, "pairs_per_length": 128}
+    assert served["generation"]["chat_template"] is True  # a chat-completions server applies the template
+    row10, row25 = served["lengths"]
+    assert (row10["n_words"], row10["pairs"], row10["score"], row10["score_stderr"]) == (10, 128, 0.75, 0.01)
+    assert row25["score"] == 0.125 and row10["first_error"] == 0.125 and row10["a_accuracy"] == 0.5
+    plot = tmp_path / "curves.png"
+    assert main([str(ours), str(tmp_path / "lm_eval"), "--names", "ours", "served", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    assert "A: ours" in out and "B: served" in out
+    assert any(line.split() == ["score", "0.500", "0.750", "+0.250"] for line in out.splitlines())
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lm_eval_results_without_the_tasks_are_refused(tmp_path, capsys):
+    results = _lm_eval_results({10: 0.5})
+    results["results"] = {"gsm8k": {"exact_match,none": 0.3}}
+    (tmp_path / "results_x.json").write_text(json.dumps(results))
+    assert main([str(tmp_path / "results_x.json")]) == 2
+    assert "no interleave_<N>w task" in capsys.readouterr().err
