@@ -214,7 +214,6 @@ class Curriculum:
         self.sft_steps = sft_steps
         self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
         self.state = self._start_state()
-        self.restored_temperature: float | None = None  # a raised temperature an older checkpoint kept here
 
     @property
     def stage_words(self) -> int:
@@ -458,11 +457,10 @@ class Curriculum:
         first = self.stages[0]
         return CurriculumState(level=float(first), drawn_words=first)
 
-    def _state(self, temperature: float | None = None, **state) -> CurriculumState:
+    @staticmethod
+    def _state(temperature: float | None = None, **state) -> CurriculumState:
         """A state from a checkpoint's fields. Checkpoints written while the curriculum also kept the raised rollout
-        temperature hold it here; it is handed on as `restored_temperature` (the module owns the temperature now)."""
-        if temperature is not None:
-            self.restored_temperature = temperature
+        temperature hold it here; the module reads it from the checkpoint (`legacy.stored_temperature`)."""
         return CurriculumState(**state)
 
     def load_legacy_state(self, datamodule: dict | None = None, callback: dict | None = None) -> None:

@@ -143,6 +143,27 @@ def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def stored_temperature(checkpoint: dict[str, Any]) -> float | None:
+    """The rollout temperature a checkpoint was training at: the module's entry, or where older checkpoints kept it,
+    in the curriculum's state (the DataModule's entry, or before that the curriculum callback's). None: not stored."""
+    if "temperature" in checkpoint:
+        return checkpoint["temperature"]
+    curriculum = (checkpoint.get("InterleaveDataModule") or {}).get("curriculum") or {}
+    callback = (checkpoint.get("callbacks") or {}).get("CurriculumCallback") or {}
+    return curriculum.get("temperature", callback.get("temperature"))
+
+
+def configured_temperature(checkpoint: dict[str, Any]) -> float | None:
+    """The `model.sampling.temperature` a checkpoint's run was configured with (flat in older checkpoints)."""
+    from interleave_model.settings import field_values
+
+    sampling = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("sampling")
+    if sampling is None:
+        return None
+    values = dict(sampling) if isinstance(sampling, dict) else field_values(type(sampling), sampling)
+    return values.get("temperature")
+
+
 def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
     """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
     from interleave_model.model.checkpoint import safe_load

@@ -39,7 +39,7 @@ from interleave_model.algorithm.word_credit import word_decisions
 from interleave_model.evaluation.evaluator import Evaluator, logged_values, prediction_records
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
-from interleave_model.legacy import checkpoint_groups, old_paths
+from interleave_model.legacy import checkpoint_groups, configured_temperature, old_paths, stored_temperature
 from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
 from interleave_model.model.policy import (
     as_reference,
@@ -134,8 +134,10 @@ class InterleaveGRPO(L.LightningModule):
         self.base, self.sampling, self.loss = base, sampling, loss
         self.optimization, self.evaluation = optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
-        # the rollout temperature now: the configured one until a curriculum's raise_temperature response changes it
-        # (`run/callbacks.py`); checkpointed here, so a resumed run samples as the interrupted one did
+        # the rollout temperature now, its one stored value: the configured one until the curriculum's
+        # raise_temperature response changes it (`CurriculumCallback._apply`, the one place that does); checkpointed
+        # here, so a resumed run samples as the interrupted one did, unless its command asks for another
+        # (`resumed_temperature`)
         self.temperature = sampling.temperature
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
@@ -244,7 +246,7 @@ class InterleaveGRPO(L.LightningModule):
         checkpoint["temperature"] = self.temperature
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.temperature = checkpoint.get("temperature", self.sampling.temperature)
+        self.temperature = resumed_temperature(checkpoint, self.sampling.temperature)
         state = checkpoint, self.policy, self.reference, self._generator, self.device
         self.guard.skipped, self.reference = restore_run_state(*state)
         self.sampler.weights_loaded()
@@ -513,3 +515,12 @@ class InterleaveGRPO(L.LightningModule):
         if self._rng is None or self._rng.device != self.device:
             self._rng = torch.Generator(device=self.device).manual_seed(self.hparams.seed + self.global_rank)
         return self._rng
+
+
+def resumed_temperature(checkpoint: dict, configured: float) -> float:
+    """The rollout temperature a run resumes at: the one it was sampling at (a curriculum may have raised it), unless
+    this command configures another `model.sampling.temperature` than the checkpoint's run did: then the user's."""
+    stored = stored_temperature(checkpoint)
+    if stored is None or configured_temperature(checkpoint) != configured:
+        return configured
+    return stored

@@ -168,10 +168,11 @@ def test_a_resume_takes_this_commands_run_settings_and_keeps_the_checkpoints_mod
     capsys.readouterr()
     resumed = main(["fit", "--config", str(TINY_CONFIG), f"--ckpt_path={checkpoint}", "--trainer.max_steps=5",
                     f"--trainer.default_root_dir={tmp_path}", "--model.optimization.learning_rate=0.5",
-                    "--model.optimization.micro_batch_size=1"])  # fmt: skip
+                    "--model.optimization.micro_batch_size=1", "--model.sampling.temperature=0.7"])  # fmt: skip
 
     model = resumed.model
     assert resumed.trainer.global_step == 5 and model.optimization.micro_batch_size == 1
+    assert model.temperature == 0.7  # the rollout's, not the checkpoint's 1.0
     # the rate is a function of the step, so the new base rate is the one step 4 used: 0.5 x its cosine factor
     used = resumed.trainer.optimizers[0].param_groups[0]["lr"]
     assert model.optimization.learning_rate == 0.5
@@ -180,6 +181,7 @@ def test_a_resume_takes_this_commands_run_settings_and_keeps_the_checkpoints_mod
     err = capsys.readouterr().err
     assert "resume: model.optimization.learning_rate is 0.001 in the checkpoint, 0.5 here" in err
     assert "model.optimization.micro_batch_size is None in the checkpoint, 1 here" in err
+    assert "model.sampling.temperature is 1.0 in the checkpoint, 0.7 here: this command's value is used" in err
     assert "model.tiny" not in err  # not a run-time setting: nothing to report, the checkpoint's is used
 
 

@@ -50,12 +50,6 @@ class CurriculumCallback(L.Callback):
         self.curriculum.exports = str(self.run_dir / "stages") if self.export else None
 
     @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.curriculum.restored_temperature is not None:  # an older checkpoint's, kept by the curriculum
-            set_temperature(pl_module, self.curriculum.restored_temperature)
-            self.curriculum.restored_temperature = None
-
-    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         curriculum = self.curriculum
         record = outputs.get("record") if isinstance(outputs, Mapping) else None
@@ -138,8 +132,8 @@ class CurriculumCallback(L.Callback):
     def _apply(self, decision: Decision, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if decision.export_words is not None and self.export:
             self._export(trainer, pl_module, decision.export_words)
-        if decision.temperature is not None:
-            set_temperature(pl_module, decision.temperature)
+        if decision.temperature is not None:  # the one place the rollout temperature changes (the module owns it)
+            pl_module.temperature = decision.temperature
         if decision.kind == "stop":
             rank_zero_warn(self.curriculum.state.stopped)
         if decision.stop:
@@ -187,8 +181,3 @@ def group_counts(record, words: int, success: float) -> dict[str, float]:
         "succeeded": float(succeeded.sum()),
         "passed": float(succeeded.any(dim=1).sum()),
     }
-
-
-def set_temperature(pl_module: L.LightningModule, temperature: float) -> None:
-    """The rollout temperature of the next batches: the module owns it (`InterleaveGRPO.temperature`)."""
-    pl_module.temperature = temperature

@@ -259,24 +259,26 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
 
     restored = _curriculum(trainer, **kwargs)
     trainer.datamodule.curriculum.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=False)["curriculum"])
-    restored.on_train_start(trainer, trainer.module)
 
     assert trainer.datamodule.curriculum.state_dict() == saved and trainer.module.temperature == 1.25
     trainer.batch([restored], [GOOD], [4])
     assert trainer.datamodule.moves == [(1, 8)]  # the third batch at 0.95
 
 
-def test_a_raised_temperature_an_older_checkpoint_kept_in_the_curriculum_reaches_the_module_once(tmp_path):
-    trainer = _Trainer(tmp_path)
-    cb = _curriculum(trainer)
-    old = cb.curriculum.state_dict() | {"temperature": 1.25}  # the curriculum's state as older checkpoints hold it
+def test_a_resume_samples_at_the_raised_temperature_unless_the_command_asks_for_another():
+    from interleave_model.module import resumed_temperature
 
-    trainer.datamodule.curriculum.load_state_dict(old)
-    cb.on_train_start(trainer, trainer.module)
-    assert trainer.module.temperature == 1.25 and cb.curriculum.restored_temperature is None
-    trainer.module.temperature = 1.5  # a later raise is not undone by a second train start
-    cb.on_train_start(trainer, trainer.module)
-    assert trainer.module.temperature == 1.5
+    hparams = {"sampling": {"temperature": 1.0, "num_generations": 2}}
+    saved = {"temperature": 1.25, "hyper_parameters": hparams}  # a curriculum raised it from the configured 1.0
+    assert resumed_temperature(saved, configured=1.0) == 1.25
+    assert resumed_temperature(saved, configured=0.7) == 0.7  # `--model.sampling.temperature 0.7`: the user's
+    # where older checkpoints kept it: the curriculum's state (the DataModule's entry, earlier the callback's), flat
+    # settings
+    flat = {"temperature": 1.0, "learning_rate": 0.001}
+    in_datamodule = {"InterleaveDataModule": {"curriculum": {"temperature": 1.5}}, "hyper_parameters": flat}
+    in_callback = {"callbacks": {"CurriculumCallback": {"temperature": 1.5}}, "hyper_parameters": flat}
+    assert resumed_temperature(in_datamodule, 1.0) == resumed_temperature(in_callback, 1.0) == 1.5
+    assert resumed_temperature({"hyper_parameters": flat}, 1.0) == 1.0  # none stored: the configured one
 
 
 def test_replay_share_and_a_move_from_a_given_batch(make_datamodule):
