@@ -193,8 +193,6 @@ class InterleaveCLI(CompatCLI):
         # the tiny model's tokenizer is built from the same corpus and template the data uses
         parser.link_arguments("data.corpus", "model.corpus")
         parser.link_arguments("data.template", "model.template")
-        # the data schedules the phases, the model their learning rates
-        parser.link_arguments("data.sft_steps", "model.optimization.sft_steps")
         # the model loads (or builds) the tokenizer, the data tokenizes with it; an object, not a config key
         parser.link_arguments("model.tokenizer", "data.tokenizer", apply_on="instantiate")
         # always on: the per-length report after validate / test, and predictions as JSON lines after predict

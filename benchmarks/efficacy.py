@@ -121,7 +121,7 @@ def warm_start(
     if path.exists():
         return path, json.loads(path.with_suffix(".json").read_text())
     L.seed_everything(seed, verbose=False)
-    module = _module(args, seed, sft_steps=steps)
+    module = _module(args, seed)
     settings = CurriculumSettings(warm_start_until=until)
     dm = _datamodule(
         args, module, stages[:1], seed, sft_steps=steps, sft_stages=sft_stages, curriculum=settings,
@@ -148,7 +148,7 @@ def run_arm(args, arm: str, seed: int, warm: Path | None, stages: list[int], len
     clock = Clock(args.minutes, cpu=args.clock == "cpu", stop_file=args.stop_file, supervised=arm == "sft")
     callbacks: list[L.Callback] = [clock]
     if arm == "sft":  # supervised steps for the whole budget (a cosine over a horizon it never reaches: flat)
-        module = _module(args, seed, **start, sft_steps=10**6, warmup_steps=0)
+        module = _module(args, seed, **start, warmup_steps=0)
         dm = _datamodule(args, module, stages, seed, sft_steps=10**6, eval_stages=lengths)
     else:
         module = _module(args, seed, **start)

@@ -330,12 +330,10 @@ class InterleaveDataModule(LightningDataModule):
         return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
     def _collate_train(self, item: tuple[int, str, list[Example]]) -> dict:
-        """Training batch ``k``, which carries its index (``batch_index``); a GRPO one also carries `grpo_start`, the
-        step GRPO began at (`Curriculum.grpo_start`)."""
+        """Training batch ``k``, which carries its index (``batch_index``)."""
         k, phase, examples = item
         hints = self._hints(examples, k, str(self.rank)) if phase == "grpo" else None
-        batch = self.collate(examples, phase, hints) | {"batch_index": k}
-        return batch | {"grpo_start": self.curriculum.grpo_start} if phase == "grpo" else batch
+        return self.collate(examples, phase, hints) | {"batch_index": k}
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
         return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))

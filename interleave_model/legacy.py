@@ -97,19 +97,23 @@ sys.meta_path.append(_OldNames())
 def _flat_names() -> dict[str, tuple[str, str]]:
     from interleave_model.settings import GROUPS
 
-    return {
-        field.name: (group, field.name)
-        for group in ("base", "sampling", "loss", "optimization")
-        for field in fields(GROUPS[group])
-        if (group, field.name) != ("base", "name_or_path")
-    } | {
-        "model_name_or_path": ("base", "name_or_path"),
-        "eval_num_samples": ("evaluation", "num_samples"),
-        "eval_temperature": ("evaluation", "temperature"),
-        "pass_k": ("evaluation", "pass_k"),
-        "pass_threshold": ("evaluation", "pass_threshold"),
-        "sample_lengths": ("evaluation", "sample_lengths"),
-    }
+    return (
+        {
+            field.name: (group, field.name)
+            for group in ("base", "sampling", "loss", "optimization")
+            for field in fields(GROUPS[group])
+            if (group, field.name) != ("base", "name_or_path")
+        }
+        | {
+            "model_name_or_path": ("base", "name_or_path"),
+            "eval_num_samples": ("evaluation", "num_samples"),
+            "eval_temperature": ("evaluation", "temperature"),
+            "pass_k": ("evaluation", "pass_k"),
+            "pass_threshold": ("evaluation", "pass_threshold"),
+            "sample_lengths": ("evaluation", "sample_lengths"),
+        }
+        | {name: (cls.lower(), name) for cls, name in REMOVED}
+    )
 
 
 def __getattr__(name: str) -> Any:
@@ -121,6 +125,23 @@ def __getattr__(name: str) -> Any:
     if name == "FLAT_NAMES":
         return _flat_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# settings that left their group, as older checkpoints name them: `(group class name, field) -> why`
+REMOVED = {
+    ("Optimization", "sft_steps"): "the data's data.sft_steps schedules the phases (InterleaveGRPO.phases)",
+}
+
+
+def without_removed(cls: type, values: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's values of group `cls` without the settings removed since (`REMOVED`), one line for each."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    removed = [name for name in values if (cls.__name__, name) in REMOVED]
+    for name in removed:
+        why = REMOVED[cls.__name__, name]
+        rank_zero_info(f"checkpoint: model.{cls.__name__.lower()}.{name} is no longer a setting, ignored ({why})")
+    return {name: value for name, value in values.items() if name not in removed}
 
 
 def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:

@@ -97,8 +97,8 @@ class InterleaveGRPO(L.LightningModule):
         loss: The GRPO objective: beta, kl_estimator, epsilon, epsilon_high, num_iterations, loss_type,
             max_completion_length, scale_rewards, advantage_estimator (`settings.Loss`).
         rewards: Reward functions with weights; the alignment score alone by default.
-        optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, sft_steps (linked
-            from `data.sft_steps`), max_grad_norm, micro_batch_size (`settings.Optimization`).
+        optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, max_grad_norm,
+            micro_batch_size (`settings.Optimization`); the phases are the data's (`phases`).
         dynamic_sampling: Drop zero-variance groups and refill from extra prompts (DAPO); None (default) = off.
         evaluation: How validation, test and predict answer: num_samples, temperature, pass_k, pass_threshold
             (`settings.Evaluation`); `validate --ckpt_path` keeps the command's values, not the checkpoint's.
@@ -161,9 +161,6 @@ class InterleaveGRPO(L.LightningModule):
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.eval_results: dict | None = None  # the last evaluation's table, for the report writer
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
-        # the step GRPO started at, as the GRPO batches carry it (the curriculum's: data.sft_steps, or earlier if
-        # data.curriculum.warm_start_until ended the warm-start); None until the first GRPO batch of this process
-        self.grpo_start: int | None = None
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, self.model_path, vllm, seed
@@ -180,6 +177,21 @@ class InterleaveGRPO(L.LightningModule):
         keyword arguments still win.
         """
         return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))
+
+    # ---------------------------------------------------------------- the phases
+
+    @property
+    def phases(self):
+        """The data's curriculum, the one owner of the phase switch: `sft_steps` warm-start batches, then GRPO from
+        `grpo_start` (earlier where `data.curriculum.warm_start_until` ended the warm-start). None outside a fit on
+        the InterleaveDataModule (GRPO from the first step)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return getattr(datamodule, "curriculum", None)
+
+    @property
+    def grpo_start(self) -> int:
+        """The step GRPO starts at (a warm-start batch is one step): the curriculum's, 0 without one."""
+        return 0 if self.phases is None else self.phases.grpo_start
 
     # ---------------------------------------------------------------- Lightning hooks
 
@@ -204,7 +216,6 @@ class InterleaveGRPO(L.LightningModule):
         if batch["phase"] == "sft":
             stats = self.sft_step(batch)
         else:
-            self.grpo_start = batch["grpo_start"]
             if self.global_step == self.grpo_start:  # the first GRPO batch (a warm-start batch is one step)
                 # GRPO starts with fresh AdamW moments, as a run started from the warm start's weights does: the
                 # supervised steps' moments would size GRPO's first updates by another loss's gradients
@@ -374,7 +385,7 @@ class InterleaveGRPO(L.LightningModule):
     def _guidance_weight(self) -> float:
         """The guidance weight mu at this GRPO step (0 unless `loss.guidance`)."""
         loss = self.loss
-        steps = self.global_step - (self.grpo_start or 0)
+        steps = self.global_step - self.grpo_start
         return guidance_weight(steps, loss.guidance, loss.guidance_final, loss.guidance_decay_steps)
 
     def _target_backward(
@@ -482,7 +493,7 @@ class InterleaveGRPO(L.LightningModule):
         opt = self.optimization
         lr = phase_learning_rate(
             phase, self.global_step, self.trainer.max_steps, opt.learning_rate, opt.sft_learning_rate,
-            opt.warmup_steps, opt.sft_steps, opt.lr_schedule, self.grpo_start,
+            opt.warmup_steps, self.phases.sft_steps if self.phases else 0, opt.lr_schedule, self.grpo_start,
         )  # fmt: skip
         for group in optimizer.param_groups:
             group["lr"] = lr

@@ -225,8 +225,8 @@ class Optimization:
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps, at the start of each phase.
         lr_schedule: Schedule of the GRPO phase after warm-up: "cosine" (to 10% at trainer.max_steps) or "constant".
-            The SFT phase always decays by a cosine over its own `sft_steps`.
-        sft_steps: Supervised warm-start steps before GRPO (linked from `data.sft_steps`, which schedules the data).
+            The SFT phase always decays by a cosine over the data's `data.sft_steps` (the curriculum schedules the
+            phases: `InterleaveGRPO.phases`).
         max_grad_norm: Gradient clipping norm; 0 disables.
         micro_batch_size: Rows per forward in the update and in the supervised steps (the warm start, guidance's
             term): gradient accumulation inside a step, the same gradient; None = all rows.
@@ -237,7 +237,6 @@ class Optimization:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     lr_schedule: LrSchedule = "cosine"
-    sft_steps: int = 0
     max_grad_norm: float = 1.0
     micro_batch_size: int | None = None
 
@@ -419,8 +418,11 @@ def typed(cls: type, value: Any) -> Any:
 
 
 def as_group(cls: type, value: Any) -> Any:
-    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
-    return cls(**(value if isinstance(value, dict) else field_values(cls, value)))
+    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint, whose settings
+    removed since are dropped: `legacy.without_removed`) or None."""
+    from interleave_model.legacy import without_removed
+
+    return cls(**(without_removed(cls, value) if isinstance(value, dict) else field_values(cls, value)))
 
 
 def field_values(cls: type, value: Any) -> dict[str, Any]:

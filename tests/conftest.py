@@ -111,7 +111,8 @@ def flat_settings(hparams: dict) -> dict:
 
     flat = {key: value for key, value in hparams.items() if key not in GROUPS}
     for old, (group, name) in FLAT_NAMES.items():
-        flat[old] = hparams[group][name]
+        if name in hparams[group]:  # a setting removed since has no value to write
+            flat[old] = hparams[group][name]
     return flat
 
 

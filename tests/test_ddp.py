@@ -177,7 +177,7 @@ def _collate(items: list[int]) -> dict:
     n = len(items)
     return {
         "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids), "prompts": [""] * n,
-        "targets": ["x"] * n, "ids": items, "n_words": [4] * n, "phase": "grpo", "grpo_start": 0,
+        "targets": ["x"] * n, "ids": items, "n_words": [4] * n, "phase": "grpo",
     }  # fmt: skip
 
 

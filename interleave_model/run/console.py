@@ -153,7 +153,8 @@ class ConsoleSummary(L.Callback):
             return
         if trainer.state.fn == TrainerFn.FITTING:
             first, self.first = self.first, self.first or self.last
-            if getattr(pl_module, "grpo_start", None) is None:
+            grpo_start = getattr(pl_module, "grpo_start", None)
+            if grpo_start is None or trainer.global_step <= grpo_start:  # no GRPO step yet
                 self.before_grpo = self.last
             _say(evaluation_line(self.last, first, _stage(trainer)))
         else:

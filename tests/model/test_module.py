@@ -290,7 +290,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
     cause, make_module, make_datamodule, monkeypatch
 ):
     # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
-    module = make_module(learning_rate=1e-2, beta=0.0, sft_steps=1, rewards=[CompletionLength()])
+    module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
     if cause == "gradient":
         _infinite_gradient_in_backward(module, 3)
     else:
@@ -382,7 +382,7 @@ def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
 def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module, make_datamodule, tmp_path):
     # sft_steps 10, but the curriculum ended the warm-start at batch 2 (as a validation reaching warm_start_until
     # does): steps 1-2 are supervised, 3-4 GRPO, whose learning rate warms up from step 3 (warm-up 2: 1/3, 2/3)
-    module = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, sft_steps=10, rewards=[CompletionLength()])
+    module = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, rewards=[CompletionLength()])
     logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=10, sft_batch_size=2)
     datamodule.curriculum.state.warm_end = 2
     trainer = _fit(module, datamodule, steps=4, logger=logger, log_every_n_steps=1)
@@ -394,7 +394,7 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     assert [round(m["train/lr"], 6) for _, m in logger.rows[2:]] == [0.01, 0.02]
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     # a resumed run keeps GRPO's schedule: the restored curriculum hands the GRPO batches their start
-    resumed = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, sft_steps=10, rewards=[CompletionLength()])
+    resumed = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, rewards=[CompletionLength()])
     logger = Captured()
     again = make_datamodule(resumed.tokenizer, sft_steps=10, sft_batch_size=2)
     L.Trainer(accelerator="cpu", max_steps=5, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -430,7 +430,7 @@ def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module,
 
 
 def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, make_datamodule):
-    module = make_module(beta=0.0, sft_steps=2, rewards=[CompletionLength()])
+    module = make_module(beta=0.0, rewards=[CompletionLength()])
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=2)
     optimizer_steps = []
     module.on_train_batch_end = lambda *args: optimizer_steps.append(

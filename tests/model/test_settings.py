@@ -8,9 +8,9 @@ import lightning as L
 import pytest
 import torch
 
-from interleave_model.legacy import FLAT_NAMES, MovedKeyError, check_moved_keys, grouped_hparams
+from interleave_model.legacy import FLAT_NAMES, REMOVED, MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling
+from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group
 from tests.conftest import flat_settings
 
 # The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them
@@ -28,7 +28,17 @@ FLAT_BEFORE = [
 def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_name():
     assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
-    assert set(FLAT_NAMES.values()) == fields
+    removed = {(cls.lower(), name) for cls, name in REMOVED}  # settings removed since: found, then dropped
+    assert set(FLAT_NAMES.values()) == fields | removed and not fields & removed
+
+
+def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog):
+    with caplog.at_level("INFO"):
+        optimization = as_group(Optimization, {"sft_steps": 5, "learning_rate": 2e-4})
+    assert optimization == Optimization(learning_rate=2e-4)
+    assert "model.optimization.sft_steps is no longer a setting, ignored (the data's data.sft_steps" in caplog.text
+    with pytest.raises(TypeError):
+        as_group(Optimization, {"learning_rat": 2e-4})  # a name that never was one is still refused
 
 
 def test_flat_settings_go_into_their_groups_and_the_rest_stays():
