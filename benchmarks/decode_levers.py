@@ -36,6 +36,7 @@ import statistics
 import tempfile
 import time
 
+import harness
 from provenance import provenance
 
 
@@ -101,13 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as work:
         folder = args.model
         if args.random_init:
-            from grpo_step import random_model_folder
-
-            folder = random_model_folder(args.random_init, work, "compact")
+            folder = harness.random_model_folder(args.random_init, work, "compact")
         elif folder is None:
-            from rollout import fixture_folder
-
-            folder = fixture_folder(work)
+            folder = harness.family_folder("llama3", f"{work}/llama3")
         model, tokenizer = load_pretrained(resolve_model(folder), dtype=args.dtype)
     model = model.to(device)
     config = LoraConfig(r=args.lora_r, lora_alpha=2 * args.lora_r, lora_dropout=0.0, target_modules="all-linear",
@@ -192,10 +189,9 @@ def main(argv: list[str] | None = None) -> dict:
         record["int8_kl"] = round(float((p.exp() * (p - q)).sum(-1).mean()), 4)
     if device == "cuda":
         from gpu_check import nominal_bandwidth
-        from grpo_step import weight_bytes
 
         bandwidth = nominal_bandwidth(torch.cuda.get_device_name())
-        record["floor_ms_per_step"] = round(1000 * weight_bytes(model) / bandwidth, 3) if bandwidth else None
+        record["floor_ms_per_step"] = round(1000 * harness.weight_bytes(model) / bandwidth, 3) if bandwidth else None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             start = time.perf_counter()
             with_autocast()

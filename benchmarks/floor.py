@@ -33,13 +33,13 @@ import statistics
 import tempfile
 import time
 
+import grpo_step
+import harness
 from provenance import provenance
 
 
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """This benchmark's arguments, and `grpo_step.py`'s for the step it runs."""
-    from grpo_step import parse_args
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m-instruct", help='a model folder, shipped name or "tiny"')
     parser.add_argument("--threads", type=int, default=2)
@@ -59,7 +59,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     levers = (["--lora"] if ours.lora else []) + (["--bf16"] if ours.bf16 else [])
     levers += ["--merged-copy", ours.merged_copy] if ours.merged_copy else []
     levers += ["--micro-batch-size", str(ours.micro_batch_size)] if ours.micro_batch_size else []
-    step = parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
+    step = grpo_step.parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
                        "--prompts", str(ours.prompts), "--generations", str(ours.generations), "--beta",
                        str(ours.beta), "--model", ours.model, "--threads", str(ours.threads), "--template",
                        ours.template, *levers])  # fmt: skip
@@ -126,7 +126,6 @@ def merged_weight_bytes(policy, dtype: str) -> int:
 def shape_of(policy) -> dict[str, int]:
     """Weights of the decoder's linear layers (adapters included), of the output layer, and the attention's size."""
     import torch
-    from grpo_step import weight_bytes
 
     head = policy.get_output_embeddings()
     linear = sum(p.numel() for m in policy.modules() if isinstance(m, torch.nn.Linear) and m is not head
@@ -138,7 +137,7 @@ def shape_of(policy) -> dict[str, int]:
         "hidden": config.hidden_size,
         "intermediate": getattr(config, "intermediate_size", 4 * config.hidden_size),
         "layers": config.num_hidden_layers,
-        "weight_bytes": weight_bytes(policy),
+        "weight_bytes": harness.weight_bytes(policy),
     }
 
 
@@ -163,7 +162,6 @@ def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: fl
 
 def main(argv: list[str] | None = None) -> dict:
     import torch
-    from grpo_step import build, mark, quiet_trainer, summarize, time_phases
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -173,8 +171,8 @@ def main(argv: list[str] | None = None) -> dict:
     trace = provenance(args.threads)  # the commit as the run starts, not as it ends
     with tempfile.TemporaryDirectory() as cache:
         torch.manual_seed(0)
-        module, data = build(step_args, args.words, cache)
-        records = time_phases(module, mark)
+        module, data = grpo_step.build(step_args, args.words, cache)
+        records = harness.time_phases(module, harness.mark)
         seen: list[tuple[float, float]] = []  # (prompt tokens, mean completion tokens) of each step
         generate = module.generate_trajectory
 
@@ -185,8 +183,8 @@ def main(argv: list[str] | None = None) -> dict:
             return trajectory, stats
 
         module.generate_trajectory = counted
-        quiet_trainer("cpu", precision, args.warmup + args.steps).fit(module, datamodule=data)
-        measured = summarize([*records, mark()], args.warmup, None)
+        harness.quiet_trainer("cpu", precision, args.warmup + args.steps).fit(module, datamodule=data)
+        measured = harness.summarize([*records, harness.mark()], args.warmup, None)
     shape = shape_of(module.policy)
     rows = args.prompts * args.generations
     prompt = statistics.mean(p for p, _ in seen[args.warmup :])

@@ -7,7 +7,7 @@ On one CUDA GPU, in under 9 minutes, it prints one JSON line per phase and appen
 - `environment`: the GPU (name, count, memory, compute capability), torch, CUDA, vLLM (null when not installed),
   transformers, peft, Lightning, bf16 support, the GPU's nominal memory bandwidth (a table by name; else null).
 - `random_model`: a randomly initialised Llama-3.2-3B-shaped model (bf16) and a word-level tokenizer of its
-  vocabulary written to a temporary folder (`grpo_step.random_model_folder`), which the steps load as any model.
+  vocabulary written to a temporary folder (`harness.random_model_folder`), which the steps load as any model.
 - `grpo_step`, four lines: one GRPO step after one warm-up step, at 10 words, 4 prompts x 16 completions, with the
   settings of configs/llama-3.2-3b.yaml (LoRA r=16, bf16-mixed), with the own sampler and with vLLM colocated, each
   with gradient checkpointing on and off. `step_s` is the step's wall time; `rollout_s`, `reward_s` and `update_s`
@@ -46,6 +46,8 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+
+import harness
 
 STARTED = time.time()
 ROOT = Path(__file__).resolve().parent.parent
@@ -293,9 +295,7 @@ def random_model(smoke: bool, work: Path) -> dict:
         policy.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
     else:
-        from grpo_step import random_model_folder
-
-        random_model_folder("llama-3.2-3b", str(folder), template)
+        harness.random_model_folder("llama-3.2-3b", str(folder), template)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     return {"model": step_model(smoke), "weights_gib": round(weights / 2**30, 3)}
 
@@ -315,7 +315,6 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
 
     def phase(smoke: bool, work: Path) -> dict:
         import lightning as L
-        from grpo_step import weight_bytes
 
         if engine == "vllm":
             try:
@@ -335,7 +334,7 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
             if engine_used is not None:
                 engine_used.close()
         step = steps[-1]
-        weights = weight_bytes(module.policy)
+        weights = harness.weight_bytes(module.policy)
         bandwidth, tokens = nominal_bandwidth(gpu_name(smoke)), int(step["generated_tokens"])
         return {
             "model": step_model(smoke),
@@ -470,18 +469,14 @@ PHASES = {
 
 
 def trainer(smoke: bool, precision: str, max_steps: int, validate: bool = False):
-    """`grpo_step.quiet_trainer` on the CPU for the smoke run, else on the GPU."""
-    from grpo_step import quiet_trainer
-
-    return quiet_trainer("cpu" if smoke else "gpu", precision, max_steps, validate)
+    """`harness.quiet_trainer` on the CPU for the smoke run, else on the GPU."""
+    return harness.quiet_trainer("cpu" if smoke else "gpu", precision, max_steps, validate)
 
 
 def instrument(module) -> list[dict[str, float]]:
-    """Have each training step listed: its wall time (the GPU idle at both ends) and what `grpo_step.time_phases`
+    """Have each training step listed: its wall time (the GPU idle at both ends) and what `harness.time_phases`
     records of it (the module's own times, completion tokens, the rollout's width in decoding steps)."""
-    from grpo_step import time_phases
-
-    steps = time_phases(module)
+    steps = harness.time_phases(module)
     training_step = module.training_step
 
     def timed_step(batch, batch_idx):
@@ -518,7 +513,6 @@ def bf16_gpu() -> bool:
 def memory(smoke: bool) -> dict:
     """torch's peak GPU memory in this process, the device's memory in use now, and this process's peak RSS."""
     import torch
-    from grpo_step import rss_mb
 
     report: dict[str, float | None] = {"peak_gpu_allocated_mb": None, "peak_gpu_reserved_mb": None,
                                        "gpu_used_mb": None}  # fmt: skip
@@ -527,7 +521,7 @@ def memory(smoke: bool) -> dict:
         report = {"peak_gpu_allocated_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1),
                   "peak_gpu_reserved_mb": round(torch.cuda.max_memory_reserved() / 2**20, 1),
                   "gpu_used_mb": round((total - free) / 2**20, 1)}  # fmt: skip
-    return report | {"peak_rss_mb": rss_mb()[1]}
+    return report | {"peak_rss_mb": harness.rss_mb()[1]}
 
 
 if __name__ == "__main__":

@@ -16,11 +16,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import tokenizers
 from provenance import provenance
 
@@ -54,9 +54,7 @@ def module(name: str, config: Path, folder: Path):
     if name == "tiny":
         tiny = TinyModelConfig(**settings["model"]["tiny"])
         return InterleaveGRPO(base=Base(name_or_path="tiny"), template=template, tiny=tiny)
-    from tests.families import build_family
-
-    return InterleaveGRPO(base=Base(name_or_path=str(build_family(name, folder / name))), template=template)
+    return InterleaveGRPO(base=Base(name_or_path=harness.family_folder(name, folder / name)), template=template)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,7 +64,6 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    sys.path.insert(0, str(ROOT))
     from interleave_model.preflight.checks import lengths, preflight  # interleave_model before lightning, as cli.py
 
     results = {}

@@ -16,21 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 from provenance import provenance
-
-
-def fixture_folder(work: str) -> str:
-    """The Llama-3 test fixture (tests/families.py: byte-level BPE, chat template, several stop ids) saved under
-    `work`, for a benchmark run without a model folder."""
-    sys.path.insert(0, str(Path(__file__).parents[1]))
-    from tests.families import build_family
-
-    return str(build_family("llama3", Path(work) / "llama3"))
 
 
 def prompts(tokenizer, words: int, n: int):
@@ -80,7 +71,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(1)  # vLLM's CPU build serves on one thread here too
     workdir = tempfile.TemporaryDirectory()
-    folder = args.model if args.model is not None else fixture_folder(workdir.name)
+    folder = args.model if args.model is not None else harness.family_folder("llama3", Path(workdir.name) / "llama3")
     model, tokenizer = load_pretrained(folder, dtype="float32")
     stops = stop_token_ids(model, tokenizer)
     settings = VllmSettings(kv_cache_memory_bytes=256 << 20, max_model_len=2048)

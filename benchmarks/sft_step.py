@@ -15,7 +15,7 @@ import argparse
 import json
 import time
 
-from grpo_step import rss_mb
+import harness
 from provenance import provenance
 
 
@@ -56,11 +56,11 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
     )  # fmt: skip
-    start_rss, _ = rss_mb()
+    start_rss, _ = harness.rss_mb()
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
     seconds = time.perf_counter() - started
-    _, peak = rss_mb()
+    _, peak = harness.rss_mb()
     out = {
         "benchmark": "sft_step", "model": args.model, "lora": args.lora, "words": args.words,
         "sft_batch_size": args.sft_batch_size, "micro_batch_size": args.micro_batch_size, "steps": args.steps,

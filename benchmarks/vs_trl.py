@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from grpo_step import budget, mark, rss_mb, summarize
+import harness
 from provenance import provenance
 
 HERE = Path(__file__).resolve().parent
@@ -92,7 +92,7 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
 
 def tokens(args: argparse.Namespace, words: int) -> int:
     """The completion budget both get: `--max-new-tokens`, else a word-level tokenizer's for `words` (`budget`)."""
-    return args.max_new_tokens or budget(words)
+    return args.max_new_tokens or harness.budget(words)
 
 
 def run(command_line: list[str]) -> dict:
@@ -126,7 +126,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
         """Step starts (a step runs from one start to the next) and the generated tokens TRL logs for each step."""
 
         def on_step_begin(self, *unused, **kwargs) -> None:
-            records.append(mark())
+            records.append(harness.mark())
 
         def on_log(self, _args, _state, _control, logs=None, **kwargs) -> None:
             if logs and "completions/mean_length" in logs:
@@ -182,7 +182,7 @@ def trl_worker(args: argparse.Namespace) -> dict:
 
         trainer._generate = timed_generate
         trainer.train()
-    return summarize([*records, mark()], args.warmup, tokens(args, words))
+    return harness.summarize([*records, harness.mark()], args.warmup, tokens(args, words))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rounds": args.rounds,
         "steps": args.steps,
         "warmup": args.warmup,
-        "launcher_peak_rss_mb": rss_mb()[1],
+        "launcher_peak_rss_mb": harness.rss_mb()[1],
         "words": results,
         "targets_met": {
             f"tokens_per_s>=3x_at_{w}": r["ratios"]["tokens_per_s"] >= 3
