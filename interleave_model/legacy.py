@@ -133,35 +133,38 @@ REMOVED = {
 }
 
 
-def without_removed(cls: type, values: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's values of group `cls` without the settings removed since (`REMOVED`), one line for each."""
+def _without_removed(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Grouped hyperparameters without the settings removed since (`REMOVED`), one line for each one dropped."""
     from lightning.pytorch.utilities import rank_zero_info
 
-    removed = [name for name in values if (cls.__name__, name) in REMOVED]
-    for name in removed:
-        why = REMOVED[cls.__name__, name]
-        rank_zero_info(f"checkpoint: model.{cls.__name__.lower()}.{name} is no longer a setting, ignored ({why})")
-    return {name: value for name, value in values.items() if name not in removed}
+    out = dict(hparams)
+    for (cls, name), why in REMOVED.items():
+        group = out.get(cls.lower())
+        if isinstance(group, dict) and name in group:
+            out[cls.lower()] = {key: value for key, value in group.items() if key != name}
+            rank_zero_info(f"checkpoint: model.{cls.lower()}.{name} is no longer a setting, ignored ({why})")
+    return out
 
 
 def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups.
+    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups, and the settings
+    removed since dropped (`REMOVED`, one line each).
 
-    Hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
+    Other hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
     """
     from interleave_model.settings import GROUPS, field_values
 
     flat_names = _flat_names()
     flat = {key: hparams[key] for key in flat_names if key in hparams}
     if not flat:
-        return dict(hparams)
+        return _without_removed(hparams)
     out = {key: value for key, value in hparams.items() if key not in flat}
     for key, value in flat.items():
         group, name = flat_names[key]
         current = out.get(group)
         values = dict(current) if isinstance(current, dict) else field_values(GROUPS[group], current)
         out[group] = values | {name: value}
-    return out
+    return _without_removed(out)
 
 
 def stored_temperature(checkpoint: dict[str, Any]) -> float | None:

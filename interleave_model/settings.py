@@ -109,6 +109,10 @@ class Sampling:
         importance_sampling_cap: With a merged copy, weight each token's policy-gradient term by the truncated
             importance ratio min(pi_policy / pi_copy, cap) (TIS, as `model.vllm.importance_sampling_cap` does for
             vLLM's samples); null: no correction.
+        speculative_tokens: The own sampler's speculative sampling (`generation/speculative.py`): k tokens drafted
+            per decode step from the batch's targets, kept or not by the exact rule of Leviathan et al. (2023), so
+            what is sampled has the model's distribution; 0 decodes one token a step.
+        speculative_ngram: The longest suffix of an answer the draft looks up in its target.
     """
 
     num_generations: int = 8
@@ -119,8 +123,15 @@ class Sampling:
     budget_margin: float = 0.25
     merged_copy: str | None = None
     importance_sampling_cap: float | None = None
+    speculative_tokens: int = 0
+    speculative_ngram: int = 3
 
     def __post_init__(self) -> None:
+        if self.speculative_tokens < 0 or self.speculative_ngram < 1:
+            raise SettingsError(
+                "model.sampling.speculative_tokens must be >= 0 and model.sampling.speculative_ngram >= 1, got "
+                f"{self.speculative_tokens} and {self.speculative_ngram}"
+            )
         if self.num_generations < 2:
             raise SettingsError(
                 f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
@@ -418,11 +429,8 @@ def typed(cls: type, value: Any) -> Any:
 
 
 def as_group(cls: type, value: Any) -> Any:
-    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint, whose settings
-    removed since are dropped: `legacy.without_removed`) or None."""
-    from interleave_model.legacy import without_removed
-
-    return cls(**(without_removed(cls, value) if isinstance(value, dict) else field_values(cls, value)))
+    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
+    return cls(**(value if isinstance(value, dict) else field_values(cls, value)))
 
 
 def field_values(cls: type, value: Any) -> dict[str, Any]:

@@ -34,8 +34,9 @@ def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_n
 
 def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog):
     with caplog.at_level("INFO"):
-        optimization = as_group(Optimization, {"sft_steps": 5, "learning_rate": 2e-4})
-    assert optimization == Optimization(learning_rate=2e-4)
+        grouped = grouped_hparams({"optimization": {"sft_steps": 5, "learning_rate": 2e-4}, "seed": 1})
+        flat = grouped_hparams({"sft_steps": 5, "learning_rate": 2e-4})
+    assert grouped["optimization"] == flat["optimization"] == {"learning_rate": 2e-4} and grouped["seed"] == 1
     assert "model.optimization.sft_steps is no longer a setting, ignored (the data's data.sft_steps" in caplog.text
     with pytest.raises(TypeError):
         as_group(Optimization, {"learning_rat": 2e-4})  # a name that never was one is still refused
