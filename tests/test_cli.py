@@ -139,6 +139,24 @@ def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_kno
     assert error.endswith("run with --data.template compact") and not any(tmp_path.iterdir())
 
 
+def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog):
+    """`model.optimization.sft_steps` (now the data's alone) in a CLI run's checkpoint: dropped in one line."""
+    from interleave_model.module import InterleaveGRPO
+
+    _, fit_root = fitted
+    checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
+    checkpoint["hyper_parameters"]["optimization"]["sft_steps"] = 2
+    old = tmp_path / "old.ckpt"
+    torch.save(checkpoint, old)
+
+    with caplog.at_level("INFO"):
+        loaded = InterleaveGRPO.load_from_checkpoint(old)  # through the CLI's instantiator, which checks every key
+        main(["export", "--config", str(TINY_CONFIG), f"--ckpt_path={old}", f"--output_dir={tmp_path / 'hf'}"])
+    assert loaded.optimization.learning_rate == checkpoint["hyper_parameters"]["optimization"]["learning_rate"]
+    assert "model.optimization.sft_steps is no longer a setting, ignored" in caplog.text
+    assert (tmp_path / "hf" / "config.json").exists()
+
+
 def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):
     """A checkpoint written before the settings were grouped: its flat values still build the model."""
 
