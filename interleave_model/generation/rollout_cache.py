@@ -102,6 +102,19 @@ class GroupLayer(DynamicLayer):
         self._buffers = tuple(selected)
         self.keys, self.values = (buffer[:, :, :end] for buffer in self._buffers)
 
+    def compact(self, keep: Tensor, width: int) -> None:
+        """Squeeze out the entries a speculative rollout rejected: each row's entries that `keep` [R, L] marks, in
+        their order, move to its first positions; the cache is `width` long after (the longest row's kept count),
+        and the rest of a shorter row's first `width` positions hold dropped entries, which its mask hides."""
+        if self._prompt is not None:
+            raise ValueError("a cache of shared prompts cannot be compacted")
+        order = torch.sort((~keep).long(), dim=-1, stable=True).indices[:, :width]  # [R, width] kept ones first
+        for buffer in self._buffers:
+            index = order[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[-1])
+            buffer[:, :, :width] = buffer[:, :, : self._end].gather(2, index)
+        self._end = width
+        self.keys, self.values = (buffer[:, :, :width] for buffer in self._buffers)
+
     def _group_buffer(self, prefill: Tensor, capacity: int) -> Tensor:
         """A [B*G, H, capacity, D] buffer whose rows b*G .. b*G+G-1 start with `prefill` [B, H, L, D]'s row b."""
         b, h, length, d = prefill.shape

@@ -76,6 +76,9 @@ class Sampler:
             if training and self.sampling.merged_copy is not None:
                 self.copy = self.copy or MergedCopy(self.policy, self.sampling.merged_copy)
                 model, kwargs["with_logprobs"] = self.copy.refresh(version), True
+            if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
+                kwargs |= {"draft_sources": batch["target_ids"], "draft_tokens": self.sampling.speculative_tokens,
+                           "ngram": self.sampling.speculative_ngram}  # fmt: skip
             return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
         engine = self._vllm_engine(version, rank)
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
