@@ -73,8 +73,8 @@ class Lookup:
 
 def _sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int) -> Tensor:
     """The distribution a plain decode step samples from: softmax(logits / temperature) after top-k and top-p, in
-    float64 (the cuts as `rollout._pick` makes them). [..., V] -> [..., V]."""
-    x = logits.double() / temperature
+    float32 (the cuts as `rollout._pick` makes them). [..., V] -> [..., V]."""
+    x = logits.float() / temperature
     if top_k and top_k < x.shape[-1]:
         kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, -torch.inf)
@@ -84,13 +84,6 @@ def _sampling_probs(logits: Tensor, temperature: float, top_p: float, top_k: int
         drop = (probs.cumsum(-1) - probs) > top_p
         x = x.scatter(-1, order, sorted_x.masked_fill(drop, -torch.inf))
     return x.softmax(-1)
-
-
-def _inverse_cdf(probs: Tensor, uniform: Tensor) -> Tensor:
-    """One token per row of `probs` [R, V] (rows sum to > 0) for `uniform` [R] in [0, 1), never one of probability 0."""
-    cdf = probs.cumsum(-1)
-    u = torch.minimum(uniform[:, None] * cdf[:, -1:], torch.nextafter(cdf[:, -1:], torch.zeros_like(cdf[:, -1:])))
-    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
 
 
 def verify(
@@ -107,20 +100,27 @@ def verify(
         them, else a draw from the model's distribution there, with the rejected drafted token removed (none removed
         when all k were kept).
     """
+    from interleave_model.generation.rollout import _draw
+
     R, k = drafts.shape
+    rows = torch.arange(R, device=logits.device)
     if temperature == 0:
         best = logits.argmax(-1)  # [R, k+1]
         kept = (best[:, :k] == drafts).long().cumprod(-1).sum(-1)  # [R] leading matches
         return kept, best.gather(-1, kept[:, None])[:, 0]
-    probs = _sampling_probs(logits, temperature, top_p, top_k)  # [R, k+1, V]
-    p_draft = probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [R, k]
     u = torch.rand((R, k + 1), generator=generator, dtype=torch.float64, device=logits.device)
+    if (top_k and top_k < logits.shape[-1]) or top_p < 1.0:
+        probs = _sampling_probs(logits, temperature, top_p, top_k)  # [R, k+1, V]
+        p_draft = probs[:, :k].gather(-1, drafts[..., None])[..., 0]  # [R, k]
+    else:  # no cut: the drafted tokens' probabilities from the normalisers alone, one full distribution a row
+        probs = None
+        scaled = logits[:, :k].float() / temperature  # [R, k, V]
+        p_draft = (scaled.gather(-1, drafts[..., None])[..., 0] - scaled.logsumexp(-1)).exp()  # [R, k]
     kept = (u[:, :k] < p_draft).long().cumprod(-1).sum(-1)  # [R]
-    at = probs[torch.arange(R, device=logits.device), kept]  # [R, V] the distribution after the kept tokens
+    at = probs[rows, kept] if probs is not None else _sampling_probs(logits[rows, kept], temperature, 1.0, 0)
     rejected = torch.cat([drafts, drafts[:, :1]], dim=-1).gather(-1, kept[:, None])[:, 0]  # [R] (any when all kept)
-    residual = at.scatter(-1, rejected[:, None], 0.0)
-    at = torch.where((kept < k)[:, None], residual, at)
-    return kept, _inverse_cdf(at, u[:, k])
+    at = torch.where((kept < k)[:, None], at.scatter(-1, rejected[:, None], 0.0), at)  # [R, V]
+    return kept, _draw(at, u[:, k:])[0]
 
 
 @torch.no_grad()

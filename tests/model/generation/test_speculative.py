@@ -212,4 +212,4 @@ def test_the_sampler_speculates_when_the_settings_ask(make_module):
 
 def test_the_exact_distribution_sums_to_one_over_every_outcome():
     exact = _exact(_small_model(), [1, 2, 3], 3, 1.0, 1.0, 0)
-    assert len(exact) == 4**3 + 4**2 + 4 + 1 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
+    assert len(exact) == 4**3 + 4**2 + 4 + 1 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-6)  # float32

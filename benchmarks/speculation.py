@@ -1,0 +1,135 @@
+"""What speculative sampling gives the own sampler: drafted tokens kept, tokens per forward, and the rollout's time
+with and without it, on the same prompts with the same seed. Prints one JSON line.
+
+A model is a run's checkpoint (`--ckpt`: its model, template and tokenizer) or a model folder / shipped name (`--model`,
+with `--template`). Each length draws `--prompts` held-out pairs (validation split, seed 0) and samples
+`--generations` answers each, at the training temperature, within the training budget; the rollout runs
+`--repeats` times each way and the medians are reported, in wall and CPU seconds (trust the CPU seconds on a shared
+machine with `--threads 1`). Greedy answers with speculation are checked equal to those without.
+
+    python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 25 --draft-tokens 4
+    python benchmarks/speculation.py --model smollm2-135m-instruct --template two_processes --words 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from provenance import provenance
+
+
+def load(args):
+    """The policy, its tokenizer, stop ids and template."""
+    from interleave_model.model.policy import load_pretrained, stop_token_ids
+    from interleave_model.model.shipped import resolve_model
+    from interleave_model.module import InterleaveGRPO
+
+    if args.ckpt:
+        module = InterleaveGRPO.load_from_checkpoint(args.ckpt, map_location="cpu")
+        return module.policy, module.tokenizer, module.stop_ids, module.hparams["template"]
+    model, tokenizer = load_pretrained(resolve_model(args.model), dtype="float32")
+    return model, tokenizer, stop_token_ids(model, tokenizer), args.template
+
+
+def batch(tokenizer, template: str, words: int, prompts: int):
+    """Held-out prompts of `words`-word fragments, left-padded, and their targets' tokens."""
+    from interleave_data.corpus import load_corpus
+    from interleave_data.pairs import build_examples, split_texts
+    from interleave_data.prompts import adds_special_tokens, format_prompt
+
+    texts = split_texts(load_corpus().texts, (0.8, 0.1, 0.1), 0)["val"]
+    examples = build_examples(texts, words, prompts, 0, "val")
+    enc = tokenizer([format_prompt(e.a, e.b, template, tokenizer) for e in examples], return_tensors="pt",
+                    padding=True, add_special_tokens=adds_special_tokens(tokenizer))  # fmt: skip
+    targets = [tokenizer(e.target, add_special_tokens=False)["input_ids"] for e in examples]
+    return enc.input_ids, enc.attention_mask, targets
+
+
+def timed(draw, repeats: int) -> tuple[float, float, tuple]:
+    walls, cpus = [], []
+    for _ in range(repeats):
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = draw()
+        walls.append(time.perf_counter() - wall)
+        cpus.append(time.process_time() - cpu)
+    return statistics.median(walls), statistics.median(cpus), out
+
+
+def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
+    from interleave_model.generation.rollout import sample, token_budget
+    from interleave_model.generation.speculative import speculative_sample
+
+    ids, mask, targets = batch(tokenizer, template, words, args.prompts)
+    common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))]),
+              "stop_ids": stops, "pad_token_id": tokenizer.pad_token_id, "top_p": 1.0, "top_k": 0}  # fmt: skip
+    draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram}
+    counts: dict[str, int] = {}
+
+    def plain():
+        return sample(model, ids, mask, **common, temperature=args.temperature,
+                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+
+    def speculative():
+        counts.clear()
+        return speculative_sample(model, ids, mask, **common, **draft, temperature=args.temperature,
+                                  generator=torch.Generator().manual_seed(0), counts=counts)  # fmt: skip
+
+    plain_wall, plain_cpu, plain_out = timed(plain, args.repeats)
+    spec_wall, spec_cpu, spec_out = timed(speculative, args.repeats)
+    greedy = [f(model, ids, mask, **common, temperature=0.0, **extra)[0]
+              for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
+    tokens = int(spec_out[1].sum())
+    rows = ids.shape[0] * args.generations
+    return {
+        "words": words,
+        "rows": rows,
+        "kept_share": round(counts["kept"] / max(counts["drafted"], 1), 3),
+        "tokens_per_forward": round(tokens / rows / max(counts["forwards"] + 1, 1), 2),  # + the first token's
+        "forwards": counts["forwards"] + 1,
+        "plain_steps": plain_out[0].shape[1],
+        "completion_tokens": [int(plain_out[1].sum()), tokens],
+        "rollout_s": [round(plain_wall, 3), round(spec_wall, 3)],
+        "rollout_cpu_s": [round(plain_cpu, 3), round(spec_cpu, 3)],
+        "speedup_cpu": round(plain_cpu / spec_cpu, 2),
+        "greedy_equal": bool(torch.equal(greedy[0], greedy[1])),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ckpt", help="a run's checkpoint")
+    parser.add_argument("--model", help="a model folder or shipped name, instead of --ckpt")
+    parser.add_argument("--template", default="two_processes", help="with --model")
+    parser.add_argument("--words", type=int, nargs="+", default=[10, 25])
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--generations", type=int, default=8)
+    parser.add_argument("--draft-tokens", type=int, default=4)
+    parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--label", default="", help="what the model is (e.g. 'warm start'), carried in the line")
+    parser.add_argument("--out", help="also append the JSON line to this file")
+    args = parser.parse_args()
+    if (args.ckpt is None) == (args.model is None):
+        parser.error("give --ckpt or --model")
+    torch.set_num_threads(args.threads)
+    trace = provenance(args.threads)
+    model, tokenizer, stops, template = load(args)
+    lengths = [measure(args, model, tokenizer, stops, template, words) for words in args.words]
+    line = {"benchmark": "speculation", "model": args.ckpt or args.model, "label": args.label, "template": template,
+            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "temperature": args.temperature,
+            "lengths": lengths, **trace}  # fmt: skip
+    text = json.dumps(line)
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
