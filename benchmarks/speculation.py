@@ -5,7 +5,8 @@ A model is a run's checkpoint (`--ckpt`: its model, template and tokenizer) or a
 with `--template`). Each length draws `--prompts` held-out pairs (validation split, seed 0) and samples
 `--generations` answers each, at the training temperature, within the training budget; the rollout runs
 `--repeats` times each way and the medians are reported, in wall and CPU seconds (trust the CPU seconds on a shared
-machine with `--threads 1`). Greedy answers with speculation are checked equal to those without.
+machine with `--threads 1`). Greedy answers with speculation are checked equal to those without. `--draft-source
+prompt` drafts from the prompt's tokens instead of the target's (vLLM's `ngram` method reads the prompt), to compare.
 
     python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 25 --draft-tokens 4
     python benchmarks/speculation.py --model smollm2-135m-instruct --template two_processes --words 10
@@ -64,6 +65,8 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
     from interleave_model.generation.speculative import speculative_sample
 
     ids, mask, targets = batch(tokenizer, template, words, args.prompts)
+    if args.draft_source == "prompt":  # each prompt's own tokens, padding left out
+        targets = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
     common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))]),
               "stop_ids": stops, "pad_token_id": tokenizer.pad_token_id, "top_p": 1.0, "top_k": 0}  # fmt: skip
     draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram}
@@ -109,6 +112,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--draft-source", choices=["target", "prompt"], default="target")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -122,7 +126,8 @@ def main() -> None:
     model, tokenizer, stops, template = load(args)
     lengths = [measure(args, model, tokenizer, stops, template, words) for words in args.words]
     line = {"benchmark": "speculation", "model": args.ckpt or args.model, "label": args.label, "template": template,
-            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "temperature": args.temperature,
+            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "draft_source": args.draft_source,
+            "temperature": args.temperature,
             "lengths": lengths, **trace}  # fmt: skip
     text = json.dumps(line)
     print(text)
