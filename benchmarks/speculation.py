@@ -87,11 +87,12 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
               for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
     tokens = int(spec_out[1].sum())
     rows = ids.shape[0] * args.generations
+    row_forwards = counts["drafted"] // args.draft_tokens + rows  # each running row's forwards, the prefill's included
     return {
         "words": words,
         "rows": rows,
         "kept_share": round(counts["kept"] / max(counts["drafted"], 1), 3),
-        "tokens_per_forward": round(tokens / rows / max(counts["forwards"] + 1, 1), 2),  # + the first token's
+        "tokens_per_forward": round(tokens / row_forwards, 2),  # a running row's tokens per forward it runs in
         "forwards": counts["forwards"] + 1,
         "plain_steps": plain_out[0].shape[1],
         "completion_tokens": [int(plain_out[1].sum()), tokens],
