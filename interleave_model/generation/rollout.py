@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -213,27 +213,17 @@ def rollout(
     prompt_ids: Tensor,
     prompt_mask: Tensor,
     stop_ids: Sequence[int] | None = None,
-    draft_sources: Sequence[Sequence[int]] | None = None,
-    draft_tokens: int = 0,
-    ngram: int = 3,
+    draw: Callable[..., tuple] | None = None,
     **kwargs,
 ) -> Rollout:
-    """`sample` plus the bookkeeping the loss needs: repeated prompts and decoded texts.
+    """`sample` (or `draw`, a sampler of its signature: `speculative.speculative_sample` with its drafts bound) plus the
+    bookkeeping the loss needs: repeated prompts and decoded texts.
 
-    `stop_ids` None means the tokenizer's EOS alone (the embedded tiny model's one stop token). With `draft_tokens`
-    k > 0 the answers are sampled speculatively (`speculative.speculative_sample`), drafts copied from each prompt's
-    `draft_sources` (its target's tokens).
+    `stop_ids` None means the tokenizer's EOS alone (the embedded tiny model's one stop token).
     """
     G = kwargs["num_generations"]
     stop_ids = [tokenizer.eos_token_id] if stop_ids is None else list(stop_ids)
-    if draft_tokens:
-        from interleave_model.generation.speculative import speculative_sample
-
-        kwargs = {key: value for key, value in kwargs.items() if key != "check_every"}
-        kwargs |= {"sources": draft_sources, "draft_tokens": draft_tokens, "ngram": ngram}
-        draw = speculative_sample
-    else:
-        draw = sample
+    draw = sample if draw is None else draw
     completion_ids, completion_mask, truncated, logprobs = draw(
         model, prompt_ids, prompt_mask, stop_ids=stop_ids, pad_token_id=tokenizer.pad_token_id, **kwargs
     )

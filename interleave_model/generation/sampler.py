@@ -6,6 +6,7 @@ need, so the two engines differ only in where the tokens come from.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from interleave_model.generation.merged_copy import MergedCopy
 from interleave_model.generation.rollout import Rollout, answer_budget, rollout, token_budget
+from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
 from interleave_model.settings import Sampling, VllmSettings
@@ -77,8 +79,9 @@ class Sampler:
                 self.copy = self.copy or MergedCopy(self.policy, self.sampling.merged_copy)
                 model, kwargs["with_logprobs"] = self.copy.refresh(version), True
             if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
-                kwargs |= {"draft_sources": batch["target_ids"], "draft_tokens": self.sampling.speculative_tokens,
-                           "ngram": self.sampling.speculative_ngram}  # fmt: skip
+                kwargs["draw"] = partial(speculative_sample, sources=batch["target_ids"],
+                                         draft_tokens=self.sampling.speculative_tokens,
+                                         ngram=self.sampling.speculative_ngram)  # fmt: skip
             return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
         engine = self._vllm_engine(version, rank)
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from interleave_model.generation.rollout import _draw, _mask_through_stop, _pick, _uniform, position_ids
 from interleave_model.generation.rollout_cache import rollout_cache
 
 
@@ -100,8 +101,6 @@ def verify(
         them, else a draw from the model's distribution there, with the rejected drafted token removed (none removed
         when all k were kept).
     """
-    from interleave_model.generation.rollout import _draw
-
     R, k = drafts.shape
     rows = torch.arange(R, device=logits.device)
     if temperature == 0:
@@ -156,8 +155,6 @@ def speculative_sample(
     Returns:
         `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G], logprobs [P*G, C] or None)`.
     """
-    from interleave_model.generation.rollout import _mask_through_stop, _pick, _uniform, position_ids
-
     was_training = model.training
     model.eval()
     try:

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from interleave_data.prompts import format_prompt
 from interleave_model.algorithm.completions import completion_logprobs
-from interleave_model.generation import speculative
+from interleave_model.generation import sampler as sampler_module
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.speculative import Lookup, _sampling_probs, speculative_sample
 from interleave_model.model.policy import load_pretrained, stop_token_ids
@@ -203,7 +203,7 @@ def test_the_sampler_speculates_when_the_settings_ask(make_module):
         return speculative_sample(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(speculative, "speculative_sample", spy)
+        patch.setattr(sampler_module, "speculative_sample", spy)
         greedy = module.sampler.rollout(batch, num_generations=2, temperature=0.0)
     assert calls == [[target]]
     module.sampler.sampling.speculative_tokens = 0
