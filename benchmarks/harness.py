@@ -9,6 +9,7 @@ reporting helpers without charging TRL's process with this project's imports.
 from __future__ import annotations
 
 import importlib.util
+import json
 import resource
 import statistics
 import sys
@@ -177,3 +178,12 @@ def family_folder(name: str, folder: str | Path) -> str:
     families = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(families)
     return str(families.build_family(name, Path(folder)))
+
+
+def emit(line: dict, out: str | None = None) -> None:
+    """Print a benchmark's JSON line, and append it to `out` when given."""
+    text = json.dumps(line)
+    print(text)
+    if out:
+        with open(out, "a") as f:
+            f.write(text + "\n")

@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 from provenance import provenance
 
@@ -99,11 +100,7 @@ def main() -> None:
     line = {"benchmark": "lm_eval_agreement", "model": args.model or args.ckpt, "template": args.template,
             "order": ["cli.py test", "lm-eval hf"], "lengths": rows,
             "seconds": [round(middle - start, 1), round(end - middle, 1)], **provenance(args.threads)}  # fmt: skip
-    text = json.dumps(line)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    harness.emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ prompt` drafts from the prompt's tokens instead of the target's (vLLM's `ngram` 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
+import harness
 import torch
 from provenance import provenance
 
@@ -130,11 +130,7 @@ def main() -> None:
             "draft_tokens": args.draft_tokens, "ngram": args.ngram, "draft_source": args.draft_source,
             "temperature": args.temperature,
             "lengths": lengths, **trace}  # fmt: skip
-    text = json.dumps(line)
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text + "\n")
+    harness.emit(line, args.out)
 
 
 if __name__ == "__main__":

@@ -236,15 +236,7 @@ def curve_figure(report: Mapping[str, Any]):
     series += [("sample_score", "sample score", "x-")] if any("sample_score" in r for r in rows) else []
     for key, label, style in series:
         ax.plot(x, [row.get(key, math.nan) for row in rows], style, label=label)
-    if len(x) > 1 and max(x) / min(x) >= 4:
-        ax.set_xscale("log")
-    ax.set_xticks(x, [str(n) for n in x])
-    ax.minorticks_off()
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_xlabel("words per fragment")
-    ax.set_ylabel("share")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize="small")
+    _length_axes(ax, x, "share")
     name = Path(str(report["model"].get("model_name_or_path"))).name
     ax.set_title(f"{report['split']}: {name}, step {report['model'].get('global_step')}")
     return figure
@@ -292,16 +284,21 @@ def comparison_figure(reports: Sequence[Mapping[str, Any]], names: Sequence[str]
         error = [row.get("score_stderr", math.nan) for row in rows]
         low, high = [a - e for a, e in zip(y, error, strict=True)], [a + e for a, e in zip(y, error, strict=True)]
         ax.fill_between(x, low, high, alpha=0.2)
+    _length_axes(ax, lengths, "greedy alignment score")
+    return figure
+
+
+def _length_axes(ax, lengths: Sequence[int], ylabel: str) -> None:
+    """A score-vs-length plot's axes: the lengths as ticks (a log scale when they span 4x or more), shares 0 to 1."""
     if len(lengths) > 1 and max(lengths) / min(lengths) >= 4:
         ax.set_xscale("log")
     ax.set_xticks(lengths, [str(n) for n in lengths])
     ax.minorticks_off()
     ax.set_ylim(-0.02, 1.02)
     ax.set_xlabel("words per fragment")
-    ax.set_ylabel("greedy alignment score")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize="small")
-    return figure
 
 
 def main(argv: Sequence[str] | None = None) -> int:

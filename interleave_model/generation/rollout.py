@@ -109,20 +109,7 @@ def sample(
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
         shared = _attention_implementation(model) == GROUPED_DECODE
-        cache, grouped = rollout_cache(model, capacity=prompt_length + max_new_tokens, group=G, shared=shared)
-        out = model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,
-            # so the head's linear would copy its weight once per prompt (a [P, H, V] copy on a CPU)
-            logits_to_keep=torch.tensor([prompt_length - 1], device=prompt_ids.device),
-        )
-        if G > 1 and not grouped:
-            cache.batch_repeat_interleave(G)
-        logits = out.logits[:, -1].repeat_interleave(G, dim=0)  # [R, V], R the rows still running
+        cache, grouped, logits = prefill(model, prompt_ids, prompt_mask, prompt_length + max_new_tokens, G, shared)
         n = logits.shape[0]
         # one mask for the whole rollout, each step passes a longer view of it (no per-step concatenation)
         attention = prompt_mask.new_ones(n, prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
@@ -175,6 +162,32 @@ def sample(
         return completion_ids, completion_mask, ~finished, sampled_logprobs
     finally:
         model.train(was_training)
+
+
+def prefill(
+    model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, capacity: int, group: int, shared: bool = False
+):
+    """The prompts' forward into a rollout cache of `capacity` positions for `group` rows each (`rollout_cache`).
+
+    Returns:
+        `(cache, grouped, logits)`: the cache, whether its layers hold the whole group, and the next-token logits of
+        each of the P*G rows [P*G, V] (a prompt's repeated for its group).
+    """
+    length = prompt_ids.shape[1]
+    cache, grouped = rollout_cache(model, capacity=capacity, group=group, shared=shared)
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids(prompt_mask),
+        past_key_values=cache,
+        use_cache=True,
+        # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,
+        # so the head's linear would copy its weight once per prompt (a [P, H, V] copy on a CPU)
+        logits_to_keep=torch.tensor([length - 1], device=prompt_ids.device),
+    )
+    if group > 1 and not grouped:
+        cache.batch_repeat_interleave(group)
+    return cache, grouped, out.logits[:, -1].repeat_interleave(group, dim=0)
 
 
 def _decode_mask(model: torch.nn.Module, attention: Tensor, padded: bool) -> Tensor | None:

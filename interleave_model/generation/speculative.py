@@ -20,8 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from interleave_model.generation.rollout import _draw, _mask_through_stop, _pick, _uniform, position_ids
-from interleave_model.generation.rollout_cache import rollout_cache
+from interleave_model.generation.rollout import _draw, _mask_through_stop, _pick, _uniform, position_ids, prefill
 
 
 class Lookup:
@@ -161,17 +160,13 @@ def speculative_sample(
         G, k = num_generations, draft_tokens
         device = prompt_ids.device
         positions = position_ids(prompt_mask)  # [P, Lp]
-        length = prompt_ids.shape[1]
-        cache, grouped = rollout_cache(model, capacity=length + 2 * max_new_tokens + 2 * (k + 1), group=G)
-        out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=torch.tensor([length - 1], device=device))  # fmt: skip
-        if G > 1 and not grouped:
-            cache.batch_repeat_interleave(G)
+        # room for the answers twice over: rejected entries stay until `_fit` squeezes them out
+        capacity = prompt_ids.shape[1] + 2 * max_new_tokens + 2 * (k + 1)
+        cache, _, logits = prefill(model, prompt_ids, prompt_mask, capacity, G)
         n = prompt_ids.shape[0] * G
         stops = torch.as_tensor(list(stop_ids), device=device)
         uniform = None if temperature == 0 else _uniform(n, generator, device)
-        first, first_logprob = _pick(out.logits[:, -1].repeat_interleave(G, dim=0), temperature, top_p, top_k,
-                                     uniform, with_logprobs)  # fmt: skip
+        first, first_logprob = _pick(logits, temperature, top_p, top_k, uniform, with_logprobs)
         tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
         logprobs = torch.zeros(n, max_new_tokens, device=device) if with_logprobs else None
         tokens[:, 0] = first
