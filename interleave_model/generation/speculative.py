@@ -173,7 +173,6 @@ def speculative_sample(
         if logprobs is not None:
             logprobs[:, 0] = first_logprob
         lengths = torch.ones(n, dtype=torch.long, device=device)  # tokens written per row
-        finished = torch.isin(first, stops) | (lengths >= max_new_tokens)
         stopped = torch.isin(first, stops)
         attention = prompt_mask.repeat_interleave(G, dim=0)  # [R, L] the cache's mask, one column per entry
         position = positions[:, -1].repeat_interleave(G) + 1  # [R] the position of each row's last token
@@ -182,7 +181,10 @@ def speculative_sample(
         lookup = Lookup([list(s) + [int(stop_ids[0])] for s in sources for _ in range(G)], ngram, k, pad_token_id)
         answers = [[int(t)] for t in first.tolist()]
         steps = torch.arange(k + 1, device=device)
-        while not bool(finished[rows].all()):
+        while True:
+            finished = stopped | (lengths >= max_new_tokens)  # [n] a row's last stop, or its budget spent
+            if bool(finished[rows].all()):
+                break
             running = (~finished[rows]).nonzero()[:, 0]
             if 2 * running.shape[0] <= rows.shape[0]:  # at least half stopped: run on the others only
                 cache.batch_select_indices(running)
@@ -218,7 +220,6 @@ def speculative_sample(
                 logprobs[rows[r], at[r, c]] = scored[r, c]
             lengths[rows] += valid.sum(-1)
             stopped[rows] |= is_stop.any(-1)
-            finished[rows] |= stopped[rows] | (lengths[rows] >= max_new_tokens)
             last, position = new, position + count
             for i, (row, m) in enumerate(zip(emitted.tolist(), count.tolist(), strict=True)):
                 answers[i].extend(row[:m])
