@@ -8,15 +8,23 @@ with `--template`). Each length draws `--prompts` held-out pairs (validation spl
 machine with `--threads 1`). Greedy answers with speculation are checked equal to those without. `--draft-source
 prompt` drafts from the prompt's tokens instead of the target's (vLLM's `ngram` method reads the prompt), to compare.
 
+`--engine vllm` checks vLLM's own `ngram` speculation instead (drafts from the prompt and the answer so far, k =
+`--draft-tokens`, lookups of 1 to `--ngram` tokens), the adapter served as LoRA: greedy answers with it against
+without it, and the sampled tokens' log-probs the engine returns against the trainer's scores of the same tokens
+(what the importance-sampling correction divides by), with both engines' rollout seconds.
+
     python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 25 --draft-tokens 4
     python benchmarks/speculation.py --model smollm2-135m-instruct --template two_processes --words 10
+    python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 --engine vllm
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
+from functools import partial
 
 import harness
 import torch
@@ -103,6 +111,61 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
     }
 
 
+def vllm_engine(model, tokenizer, stops, speculative: dict | None):
+    """A CPU vLLM engine serving `model` (its adapter as LoRA), with vLLM's `speculative_config` when given (the
+    project's engine sets none: the option is passed to `vllm.LLM` here only)."""
+    import vllm
+
+    from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings
+
+    make = vllm.LLM
+    vllm.LLM = lambda **options: make(**options, **({"speculative_config": speculative} if speculative else {}))
+    try:
+        settings = VllmSettings(kv_cache_memory_bytes=256 << 20, max_model_len=2048, enforce_eager=True)
+        engine = VllmEngine(model, tokenizer, None, stops, settings)
+    finally:
+        vllm.LLM = make
+    engine.serve(model, version=0)
+    return engine
+
+
+def measure_vllm(args, model, tokenizer, stops, template: str, words: int) -> dict:
+    """vLLM's `ngram` speculation against vLLM without it: greedy answers, log-probs, rollout seconds."""
+    from interleave_model.algorithm.completions import completion_logprobs
+    from interleave_model.generation.rollout import token_budget
+
+    ids, mask, targets = batch(tokenizer, template, words, args.prompts)
+    common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))])}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.draft_tokens, "prompt_lookup_min": 1,
+             "prompt_lookup_max": args.ngram}  # fmt: skip
+    out: dict = {"words": words, "rows": ids.shape[0] * args.generations}
+    answers = {}
+    for name, speculative in (("plain", None), ("ngram", ngram)):
+        engine = vllm_engine(model, tokenizer, stops, speculative)
+        try:
+            answers[name] = engine.rollout(ids, mask, **common, temperature=0.0).completion_ids
+            draw = partial(engine.rollout, ids, mask, **common, temperature=args.temperature)
+            wall, _, sampled = timed(draw, args.repeats)
+        finally:
+            engine.close()
+        out[f"rollout_s_{name}"] = round(wall, 3)
+        tokens = torch.cat([sampled.prompt_ids, sampled.completion_ids], dim=1)
+        attention = torch.cat([sampled.prompt_mask, sampled.completion_mask], dim=1)
+        with torch.no_grad():
+            trainer, _ = completion_logprobs(model, tokens, attention, sampled.completion_ids, args.temperature)
+        kept = sampled.completion_mask.bool()
+        gap = (trainer - sampled.logprobs)[kept]
+        out[f"sampled_tokens_{name}"] = int(kept.sum())
+        out[f"logprob_nan_{name}"] = int(gap.isnan().sum())
+        out[f"logprob_off_{name}"] = int((gap.abs() > 1e-3).sum())  # NaN is not > 1e-3: counted apart
+        out[f"logprob_gap_max_{name}"] = round(float(gap.nan_to_num(0.0).abs().max()), 6)
+        off = (gap.abs() > 1e-3) | gap.isnan()
+        out[f"logprob_off_values_{name}"] = [round(v, 4) for v in sampled.logprobs[kept][off][:8].tolist()]
+    out["greedy_equal"] = bool(torch.equal(answers["plain"], answers["ngram"]))
+    out["uniform_logprob"] = round(-math.log(model.get_output_embeddings().weight.shape[0]), 4)  # over the vocabulary
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ckpt", help="a run's checkpoint")
@@ -114,6 +177,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--draft-source", choices=["target", "prompt"], default="target")
+    parser.add_argument("--engine", choices=["own", "vllm"], default="own", help="vllm: its ngram method, checked")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -125,9 +189,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     trace = provenance(args.threads)
     model, tokenizer, stops, template = load(args)
-    lengths = [measure(args, model, tokenizer, stops, template, words) for words in args.words]
+    run = measure_vllm if args.engine == "vllm" else measure
+    lengths = [run(args, model, tokenizer, stops, template, words) for words in args.words]
     line = {"benchmark": "speculation", "model": args.ckpt or args.model, "label": args.label, "template": template,
-            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "draft_source": args.draft_source,
+            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "engine": args.engine,
+            "draft_source": "prompt and answer" if args.engine == "vllm" else args.draft_source,
             "temperature": args.temperature,
             "lengths": lengths, **trace}  # fmt: skip
     harness.emit(line, args.out)

@@ -17,7 +17,15 @@ from interleave_model.generation.rollout import Rollout, answer_budget, rollout,
 from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
+from interleave_model.runtime.machine import warn
 from interleave_model.settings import Sampling, VllmSettings
+
+# vLLM 0.32's own `ngram` speculation keeps greedy answers but returns wrong log-probs for some sampled tokens
+# (docs/RESULTS.md, "Speculative sampling"), which the update divides by: the engine samples without it
+VLLM_SPECULATION = (
+    "model.sampling.speculative_tokens: the own sampler's speculation; vLLM samples without "
+    "speculation, since its ngram method returns wrong log-probs for some sampled tokens"
+)
 
 
 class Sampler:
@@ -137,6 +145,8 @@ class Sampler:
     def _vllm_engine(self, version: int, rank: int) -> VllmEngine:
         """The colocated engine, built at the first rollout, serving the policy's weights of this version."""
         if self.engine is None:
+            if self.sampling.speculative_tokens:
+                warn(VLLM_SPECULATION)
             seed = self.seed + rank
             self.engine = VllmEngine(self.policy, self.tokenizer, self.model_path, self.stop_ids, self.vllm, seed=seed)
         self.engine.serve(self.policy, version=version)

@@ -131,3 +131,20 @@ def test_the_folder_written_for_the_engine_is_the_plain_base_under_lora(family_f
     assert all(torch.equal(saved[name], plain[name]) for name in saved)
     reloaded, _ = load_pretrained(str(tmp_path), dtype="float32")  # from_pretrained takes it as it is
     assert all(torch.equal(t, plain[n]) for n, t in reloaded.state_dict().items())
+
+
+@pytest.mark.parametrize("draft_tokens", [0, 4])
+def test_vllm_samples_without_speculation_and_says_so_once(monkeypatch, capsys, draft_tokens):
+    from interleave_model.generation import sampler
+    from interleave_model.settings import Sampling
+
+    built = []
+    monkeypatch.setattr(sampler, "VllmEngine", lambda *args, **kwargs: built.append(kwargs) or SimpleNamespace(
+        serve=lambda policy, version: None))  # fmt: skip
+    own = sampler.Sampler(torch.nn.Linear(1, 1), None, [2], engine="vllm",
+                          sampling=Sampling(speculative_tokens=draft_tokens))  # fmt: skip
+    for version in range(3):
+        own._vllm_engine(version, rank=0)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(built) == 1
+    assert lines == ([f"warning: {sampler.VLLM_SPECULATION}"] if draft_tokens else [])
