@@ -1,10 +1,11 @@
 """The benchmarks' one clock: a Lightning callback that ends training after a budget of minutes and records what the
-arms are compared on (`efficacy.py`, `climb.py`).
+arms are compared on (`efficacy.py`).
 
 The budget counts training time: held-out evaluations are left out of it (they cost a real model as much as several
 steps, and every arm is evaluated alike) and reported apart as `evaluating`. `cpu` counts this process's CPU seconds
 instead of wall seconds: with one torch thread, a run's own work, whatever else shares the machine. The clock starts
-at the first GRPO batch (at the first batch of any kind when `supervised`).
+at the first GRPO batch, or at the first batch in a run of supervised steps only (`data.sft_steps` >= its
+`trainer.max_steps`).
 
 Its state (the seconds spent, the curve, the per-batch rows and whatever the benchmark keeps in `extra`) is saved in
 the run's checkpoints, so an arm stopped by SIGTERM goes on with `--ckpt_path last` where its clock stood.
@@ -31,8 +32,9 @@ class Clock(L.Callback):
     """Ends training after `minutes` of it or when `stop_file` appears; records each GRPO batch's group counts at its
     longest length and each held-out evaluation's scores."""
 
-    def __init__(self, minutes: float, cpu: bool = False, stop_file: str | None = None, supervised: bool = False):
-        self.budget, self.stop_file, self.supervised = minutes * 60, stop_file, supervised
+    def __init__(self, minutes: float, cpu: bool = False, stop_file: str | None = None):
+        self.budget, self.stop_file = minutes * 60, stop_file
+        self.supervised = False  # a run of supervised steps only: their minutes count
         self.now = time.process_time if cpu else time.perf_counter
         self.spent = 0.0  # training seconds before this process (a resumed arm's)
         self.started: float | None = None  # when this process's first counted batch began
@@ -57,6 +59,9 @@ class Clock(L.Callback):
         self.spent, self.evaluating = state["spent"], state["evaluating"]
         self.batches, self.curve, self.extra = state["batches"], state["curve"], state["extra"]
         self.started, self._evaluating_here = None, 0.0
+
+    def on_fit_start(self, trainer, pl_module):
+        self.supervised = trainer.datamodule.sft_steps >= trainer.max_steps
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.started is None and (batch["phase"] == "grpo" or self.supervised):

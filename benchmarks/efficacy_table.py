@@ -1,8 +1,8 @@
-"""The arms of `benchmarks/climb.py` as a Markdown table: one row per JSON line, held-out scores before -> after.
+"""The arms of `benchmarks/efficacy.py` as a Markdown table: one row per JSON line, held-out scores before -> after.
 
-    python benchmarks/climb_table.py benchmarks/results/tiny-climb.jsonl
+    python benchmarks/efficacy_table.py benchmarks/results/tiny-climb.jsonl
 
-Each row names the arm's last config, its seed, minutes and steps, the length and milestone it ended at, then at each
+Each row names the arm (its overlay), its seed, minutes and steps, the length and milestone it ended at, then at each
 tested length the score before -> after with the after's standard error, and pass@1 / pass@k before -> after. The
 commit and command of each row are in its line.
 """
@@ -17,10 +17,11 @@ from pathlib import Path
 def rows(lines: list[dict]) -> list[str]:
     """The table's lines for these arms (all tested at the same lengths as the first)."""
     lengths = list(lines[0]["test_end"])
-    head = ["arm", "seed", "GRPO min", "steps", "length at end", *lengths]
+    head = ["arm", "seed", "training min", "steps", "length at end", *lengths]
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in lines:
-        cells = [Path(arm["configs"][-1]).stem, str(arm["seed"]), str(arm["training_minutes"]), str(arm["steps"]),
+        name = arm.get("arm", Path(arm["configs"][-1]).stem)  # lines written before arms had names: the overlay's
+        cells = [name, str(arm["seed"]), str(arm["training_minutes"]), str(arm["steps"]),
                  f"{arm['length_end']} (milestone {arm['milestone']}{', done' if arm['done'] else ''})"]  # fmt: skip
         for n in lengths:
             before, after = arm["test_start"].get(n, {}), arm["test_end"].get(n, {})
@@ -34,7 +35,7 @@ def rows(lines: list[dict]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("jsonl", help="a file of climb.py's JSON lines")
+    parser.add_argument("jsonl", help="a file of efficacy.py's JSON lines")
     args = parser.parse_args()
     lines = [json.loads(line) for line in Path(args.jsonl).read_text().splitlines() if line.strip()]
     print("\n".join(rows(lines)))

@@ -1,0 +1,21 @@
+"""Every benchmark's JSON line carries its command, the commit it started from, and the machine."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))  # as running a script puts its folder first
+
+
+def test_a_json_line_carries_its_command_commit_and_machine(monkeypatch):
+    import provenance as provenance_py
+    from provenance import provenance
+
+    monkeypatch.setattr(sys, "argv", ["benchmarks/efficacy.py", "--seeds", "1"])
+    line = provenance(threads=1)
+    assert line["command"] == "python benchmarks/efficacy.py --seeds 1" and line["threads"] == 1
+    assert line["commit"] is None or len(line["commit"].removesuffix("+dirty")) == 40  # a checkout's HEAD
+    monkeypatch.setattr(provenance_py, "_commit", lambda: "a later commit")
+    assert provenance(threads=1)["commit"] == provenance_py.STARTED_AT != "a later commit"  # the one it started from
+    assert line["python"].count(".") == 2 and line["torch"] and line["cpu"]
