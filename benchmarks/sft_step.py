@@ -35,7 +35,6 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
 
     from interleave_data.datamodule import InterleaveDataModule
-    from interleave_model.legacy import grouped_hparams
     from interleave_model.module import InterleaveGRPO
     from interleave_model.settings import LoraSettings
 
@@ -43,10 +42,10 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     lora = LoraSettings(r=16, alpha=32, dropout=0.0) if args.lora else None
     dtype = None if args.model == "tiny" else "float32"
-    module = InterleaveGRPO(**grouped_hparams(dict(
-        model_name_or_path=args.model, dtype=dtype, lora=lora, template=args.template,
-        micro_batch_size=args.micro_batch_size, sft_steps=args.steps,
-    )))  # fmt: skip
+    module = InterleaveGRPO(
+        base={"name_or_path": args.model, "dtype": dtype}, lora=lora, template=args.template,
+        optimization={"micro_batch_size": args.micro_batch_size},
+    )  # fmt: skip
     data = InterleaveDataModule(
         stages=[args.words], template=args.template, train_pairs=max(64, 2 * args.steps * args.sft_batch_size),
         val_pairs=4, test_pairs=0, sft_batch_size=args.sft_batch_size, seed=0, tokenizer=module.tokenizer,

@@ -119,8 +119,8 @@ def _flat_names() -> dict[str, tuple[str, str]]:
 def __getattr__(name: str) -> Any:
     """`FLAT_NAMES`, `flat name -> (group, field)`: the names of checkpoints written before the groups existed.
 
-    Built from the groups on first use, so that every field has a flat name (the tests name settings flat for
-    brevity) without importing the settings when `interleave_model` is imported.
+    Built from the groups on first use (every field of the groups that existed then has its flat name), without
+    importing the settings when `interleave_model` is imported. Only old checkpoints are read by these names.
     """
     if name == "FLAT_NAMES":
         return _flat_names()

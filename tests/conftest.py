@@ -51,16 +51,21 @@ def pytest_collection_modifyitems(items):
 def make_module():
     """Build an `InterleaveGRPO` around a 1-layer, 32-wide tiny Llama; keyword arguments override the defaults.
 
-    Settings may be named flat (`temperature=0.9`): they go into their groups as an older checkpoint's do
-    (`legacy.grouped_hparams`), which keeps the tests short and that path always exercised.
+    Settings are named by their groups, as a config names them: `make(sampling={"temperature": 0.9})` (a dict or the
+    group's dataclass); a group's dict is merged into the defaults' (2 samples a group).
     """
-    from interleave_model.legacy import grouped_hparams
     from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
+    from interleave_model.settings import field_values
 
     def make(**overrides):
-        kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "num_generations": 2}
-        return InterleaveGRPO(**grouped_hparams(kwargs | overrides))
+        kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "sampling": {"num_generations": 2}}
+        for name, value in overrides.items():
+            default = kwargs.get(name)
+            if isinstance(default, dict):  # a group: the defaults' values, then the test's
+                value = default | (value if isinstance(value, dict) else field_values(type(value), value))
+            kwargs[name] = value
+        return InterleaveGRPO(**kwargs)
 
     return make
 

@@ -67,7 +67,6 @@ def test_a_hint_is_the_answers_first_tokens_on_real_tokenizers(family, make_data
 def test_a_hinted_grpo_step_scores_what_follows_the_hint(family_folders, make_datamodule):
     """On the Llama-3 folder: the reward sees each completion against the answer left after its prompt's hint."""
     from interleave_model.algorithm.rewards import AlignmentReward
-    from interleave_model.legacy import grouped_hparams
     from interleave_model.module import InterleaveGRPO
     from tests.conftest import fit_one_grpo_step
 
@@ -78,10 +77,10 @@ def test_a_hinted_grpo_step_scores_what_follows_the_hint(family_folders, make_da
             seen.append((list(targets), list(fields["prompts"])))
             return super().__call__(completions, targets, truncated, **fields)
 
-    module = InterleaveGRPO(**grouped_hparams({
-        "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 2,
-        "beta": 0.0, "rewards": [Recording()],
-    }))  # fmt: skip
+    module = InterleaveGRPO(
+        base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
+        loss={"beta": 0.0}, rewards=[Recording()],
+    )  # fmt: skip
     fit_one_grpo_step(module, make_datamodule, batch_size=4, hints=HintSettings(pairs=2))
     (targets, prompts), *_ = seen
     lengths = {len(t.split()) for t in targets}

@@ -51,7 +51,7 @@ def _logprobs(module, model, batch):
 
 
 def test_grpo_step_moves_trainable_weights_only_and_reference_stays(make_module, make_datamodule):
-    module = make_module(learning_rate=1e-2, beta=0.04, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.04})
     datamodule = make_datamodule(module.tokenizer)
     before = _snapshot(module.policy)
     _fit(module, datamodule, steps=1)
@@ -68,7 +68,10 @@ def test_grpo_step_moves_trainable_weights_only_and_reference_stays(make_module,
 
 def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, make_datamodule):
     module = make_module(
-        lora=LoraSettings(r=4, alpha=8, dropout=0.0), learning_rate=1e-2, beta=0.04, rewards=[CompletionLength()]
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0),
+        rewards=[CompletionLength()],
+        optimization={"learning_rate": 1e-2},
+        loss={"beta": 0.04},
     )
     datamodule = make_datamodule(module.tokenizer)
     base = _snapshot(module.policy)
@@ -85,13 +88,13 @@ def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, m
 
 
 def test_beta_zero_runs_no_reference(make_module, make_datamodule):
-    module = make_module(beta=0.0)
+    module = make_module(loss={"beta": 0.0})
     _fit(module, make_datamodule(module.tokenizer), steps=2)
     assert module.reference is None
 
 
 def test_non_finite_loss_skips_the_step_and_counts_it(make_module, make_datamodule, monkeypatch):
-    module = make_module(learning_rate=1e-2)
+    module = make_module(optimization={"learning_rate": 1e-2})
     datamodule = make_datamodule(module.tokenizer)
     monkeypatch.setattr(
         "interleave_model.module.combine", lambda fns, c, t, tr, **fields: ([float("nan")] * len(c), {})
@@ -104,7 +107,7 @@ def test_non_finite_loss_skips_the_step_and_counts_it(make_module, make_datamodu
 
 
 def test_sft_phase_trains_on_target_tokens(make_module, make_datamodule):
-    module = make_module(sft_learning_rate=1e-2)
+    module = make_module(optimization={"sft_learning_rate": 1e-2})
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=4)
     batch = datamodule.collate(datamodule.sample_train_batch(0)[1], "sft")
     input_ids, attention_mask, labels = sft_inputs(module.tokenizer, batch, module.device)
@@ -131,7 +134,9 @@ def test_a_supervised_step_in_micro_batches_has_the_whole_batch_gradient(make_mo
     # (up to summation order), with the activations of one pair held at a time; weighting by rows would differ
     grads, rows_seen, counts = {}, {}, set()
     for size in (None, 1):
-        module = make_module(model_name_or_path=str(family_folders["llama3"]), micro_batch_size=size, seed=5)
+        module = make_module(
+            seed=5, base={"name_or_path": str(family_folders["llama3"])}, optimization={"micro_batch_size": size}
+        )
         seen = rows_seen.setdefault(size, [])
         decoder = module.policy.get_decoder()
         decoder.register_forward_pre_hook(
@@ -149,8 +154,8 @@ def test_a_supervised_step_in_micro_batches_has_the_whole_batch_gradient(make_mo
 
 def test_bad_settings_are_refused_before_training(make_module, make_datamodule):
     with pytest.raises(ValueError, match="num_generations must be >= 2"):
-        make_module(num_generations=1)
-    module = make_module(max_new_tokens=3)
+        make_module(sampling={"num_generations": 1})
+    module = make_module(sampling={"max_new_tokens": 3})
     batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[1]))  # 8-word stage: 16-token answers
     with pytest.raises(ValueError, match="max_new_tokens=3 cannot hold a 17-token answer"):
         module.greedy(batch)
@@ -166,7 +171,7 @@ def test_budget_follows_the_stage(make_module, make_datamodule):
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
 def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_datamodule):
     # reward = 1.0 * 0.25 + 2.0 * 0.5 = 1.25 for every completion; each term logged under its own key
-    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], beta=0.0)
+    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], loss={"beta": 0.0})
     batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
     trajectory, stats = module.generate_trajectory(batch)
     assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
@@ -176,7 +181,7 @@ def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_da
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
 def test_rewards_see_each_completions_prompt_fragments_and_length(make_module, make_datamodule):
     reward = Recording()
-    module = make_module(rewards=[reward], beta=0.0, num_generations=3)
+    module = make_module(rewards=[reward], loss={"beta": 0.0}, sampling={"num_generations": 3})
     batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
     module.generate_trajectory(batch)
     each = lambda values: [v for v in values for _ in range(3)]  # noqa: E731  group-major, as the completions
@@ -187,8 +192,8 @@ def test_rewards_see_each_completions_prompt_fragments_and_length(make_module, m
 
 def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_module, make_datamodule, monkeypatch):
     with pytest.raises(ValueError, match=r"dr_grpo needs model\.loss\.max_completion_length"):
-        make_module(loss_type="dr_grpo")  # at construction, not after a warm-start
-    make_module(loss_type="dr_grpo", max_new_tokens=24)  # a fixed budget is the constant
+        make_module(loss={"loss_type": "dr_grpo"})  # at construction, not after a warm-start
+    make_module(loss={"loss_type": "dr_grpo"}, sampling={"max_new_tokens": 24})  # a fixed budget is the constant
     seen, policy_loss = [], grpo.policy_loss
 
     def spy(logprobs, *args, **kwargs):
@@ -196,7 +201,11 @@ def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_mod
         return policy_loss(logprobs, *args, **kwargs)
 
     monkeypatch.setattr("interleave_model.module.grpo.policy_loss", spy)
-    module = make_module(loss_type="dr_grpo", max_new_tokens=24, max_completion_length=50, rewards=[CompletionLength()])
+    module = make_module(
+        rewards=[CompletionLength()],
+        loss={"loss_type": "dr_grpo", "max_completion_length": 50},
+        sampling={"max_new_tokens": 24},
+    )
     _fit(module, make_datamodule(module.tokenizer), steps=2)
     assert [length for length, _ in seen] == [50, 50]
     assert all(width <= 24 for _, width in seen)  # the rollout's width was never the normaliser
@@ -204,9 +213,9 @@ def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_mod
 
 def test_k1_in_the_loss_warns(make_module, recwarn):
     with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
-        make_module(kl_estimator="k1", beta=0.04)
-    make_module(kl_estimator="k1", beta=0.0)  # measured only: nothing to warn about
-    make_module(kl_estimator="k3", beta=0.04)
+        make_module(loss={"kl_estimator": "k1", "beta": 0.04})
+    make_module(loss={"kl_estimator": "k1", "beta": 0.0})  # measured only: nothing to warn about
+    make_module(loss={"kl_estimator": "k3", "beta": 0.04})
     assert not [w for w in recwarn if "k1" in str(w.message)]
 
 
@@ -234,7 +243,7 @@ def _infinite_gradient_in_backward(module, n: int) -> list[int]:
 
 
 def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
-    module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.0})
     calls = _infinite_gradient_in_backward(module, 2)
     snapshots = Snapshots()
     trainer = _fit(module, make_datamodule(module.tokenizer), steps=2, callbacks=[snapshots])
@@ -252,7 +261,9 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
     # of 2**10, clipping the scaled gradients to 1e-3 would leave 1e-3 / 1024 ~ 1e-6 after unscaling.
     from lightning.pytorch.plugins import MixedPrecision
 
-    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    module = make_module(
+        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, loss={"beta": 0.0}
+    )
     norms = []
 
     def record(optimizer, args, kwargs):  # runs as AdamW steps, after the scaler and the clip
@@ -290,7 +301,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
     cause, make_module, make_datamodule, monkeypatch
 ):
     # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
-    module = make_module(learning_rate=1e-2, beta=0.0, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.0})
     if cause == "gradient":
         _infinite_gradient_in_backward(module, 3)
     else:
@@ -318,7 +329,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
 
 
 def test_a_batch_of_several_updates_logs_at_the_global_step_after_them(make_module, make_datamodule):
-    module = make_module(num_iterations=2, beta=0.0, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], loss={"num_iterations": 2, "beta": 0.0})
     logger = Captured()
     _fit(module, make_datamodule(module.tokenizer), steps=4, logger=logger, log_every_n_steps=1)
     assert [step for step, _ in logger.rows] == [2, 4]  # two batches of two optimizer steps each
@@ -342,7 +353,9 @@ class NormsOfGradients(TorchDispatchMode):
 
 
 def test_the_gradient_norm_is_taken_once_per_step_and_clips_as_clip_grad_norm(make_module, make_datamodule):
-    module = make_module(learning_rate=1e-2, beta=0.0, max_grad_norm=1e-3, rewards=[CompletionLength()])
+    module = make_module(
+        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, loss={"beta": 0.0}
+    )
     hook, steps = module.on_before_optimizer_step, []
 
     def measured(optimizer):  # the module's own hook: skip or clip
@@ -374,7 +387,7 @@ def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
     with pytest.raises(ValueError, match="max_grad_norm: clipping needs whole gradients on each rank"):
         module.setup("fit")  # the norm StepGuard takes would be one shard's
     module.setup("validate")  # nothing is clipped there
-    unclipped = make_module(max_grad_norm=0)
+    unclipped = make_module(optimization={"max_grad_norm": 0})
     unclipped.trainer = FakeTrainer(FSDPStrategy())
     unclipped.setup("fit")
 
@@ -382,7 +395,9 @@ def test_clipping_under_fsdp_is_refused_when_fit_sets_up(make_module):
 def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module, make_datamodule, tmp_path):
     # sft_steps 10, but the curriculum ended the warm-start at batch 2 (as a validation reaching warm_start_until
     # does): steps 1-2 are supervised, 3-4 GRPO, whose learning rate warms up from step 3 (warm-up 2: 1/3, 2/3)
-    module = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, rewards=[CompletionLength()])
+    module = make_module(
+        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, loss={"beta": 0.0}
+    )
     logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=10, sft_batch_size=2)
     datamodule.curriculum.state.warm_end = 2
     trainer = _fit(module, datamodule, steps=4, logger=logger, log_every_n_steps=1)
@@ -394,7 +409,9 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     assert [round(m["train/lr"], 6) for _, m in logger.rows[2:]] == [0.01, 0.02]
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     # a resumed run keeps GRPO's schedule: the restored curriculum hands the GRPO batches their start
-    resumed = make_module(learning_rate=3e-2, warmup_steps=2, beta=0.0, rewards=[CompletionLength()])
+    resumed = make_module(
+        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, loss={"beta": 0.0}
+    )
     logger = Captured()
     again = make_datamodule(resumed.tokenizer, sft_steps=10, sft_batch_size=2)
     L.Trainer(accelerator="cpu", max_steps=5, logger=logger, log_every_n_steps=1, enable_checkpointing=False,
@@ -408,7 +425,7 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
 
 
 def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module, make_datamodule, tmp_path):
-    module = make_module(temperature=0.7, beta=0.0)
+    module = make_module(sampling={"temperature": 0.7}, loss={"beta": 0.0})
     seen = []
     rollout = module._rollout
     module._rollout = lambda batch, G, temperature, generator=None: (
@@ -420,17 +437,17 @@ def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module,
     assert seen == [1.3] and module.sampling.temperature == 0.7 and module.hparams.sampling["temperature"] == 0.7
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     checkpoint = torch.load(tmp_path / "run.ckpt", weights_only=False)
-    resumed = make_module(temperature=0.7)
+    resumed = make_module(sampling={"temperature": 0.7})
     resumed.on_load_checkpoint(checkpoint)
     assert resumed.temperature == 1.3
-    older = make_module(temperature=0.7)  # a checkpoint without the entry: the configured temperature
+    older = make_module(sampling={"temperature": 0.7})  # a checkpoint without the entry: the configured temperature
     checkpoint.pop("temperature")
     older.on_load_checkpoint(checkpoint)
     assert older.temperature == 0.7
 
 
 def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, make_datamodule):
-    module = make_module(beta=0.0, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], loss={"beta": 0.0})
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=2)
     optimizer_steps = []
     module.on_train_batch_end = lambda *args: optimizer_steps.append(
@@ -456,7 +473,7 @@ def test_one_signed_advantages_reach_the_loss_the_others_are_zero(make_module, m
 
     monkeypatch.setattr("interleave_model.module.grpo.policy_loss", spy)
     monkeypatch.setattr("interleave_model.module.grpo.group_advantages", record)
-    module = make_module(advantage_sign=sign, num_generations=4, rewards=[CompletionLength()])
+    module = make_module(rewards=[CompletionLength()], loss={"advantage_sign": sign}, sampling={"num_generations": 4})
     _fit(module, make_datamodule(module.tokenizer), steps=2)
     assert len(seen) == len(computed) == 2
     for used, full in zip(seen, computed, strict=True):

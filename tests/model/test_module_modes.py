@@ -14,15 +14,17 @@ import interleave_model.algorithm.completions as completions_py
 import interleave_model.generation.sampler as sampler_py
 import interleave_model.module as module_py
 from interleave_model.algorithm import grpo
-from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
 from tests.conftest import fit_one_grpo_step
 
 
-def _module(folder, **overrides) -> InterleaveGRPO:
-    kwargs = {"model_name_or_path": str(folder), "template": "compact", "num_generations": 2, "beta": 0.0}
-    return InterleaveGRPO(**grouped_hparams(kwargs | overrides))
+def _module(folder, lora=None, base=None, sampling=None, loss=None, optimization=None) -> InterleaveGRPO:
+    return InterleaveGRPO(
+        base={"name_or_path": str(folder)} | (base or {}), template="compact", lora=lora,
+        sampling={"num_generations": 2} | (sampling or {}), loss={"beta": 0.0} | (loss or {}),
+        optimization=optimization or {},
+    )  # fmt: skip
 
 
 def _count_forwards(layer: torch.nn.Module) -> list[bool]:
@@ -41,7 +43,7 @@ def _count_forwards(layer: torch.nn.Module) -> list[bool]:
 def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
     family_folders, make_datamodule, monkeypatch, lora
 ):
-    module = _module(family_folders["llama3"], lora=lora, beta=0.04, disable_dropout=False)
+    module = _module(family_folders["llama3"], lora=lora, loss={"beta": 0.04}, base={"disable_dropout": False})
     if lora is None:
         module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
     modes = {"rollout": [], "reference": [], "update": []}
@@ -73,7 +75,12 @@ def test_first_ratio_is_exactly_one_without_dropout(family_folders, make_datamod
     The fixture's random weights put all the mass on one token (log-prob 0, whatever dropout does); a high
     temperature spreads it.
     """
-    module = _module(family_folders["gpt2"], num_iterations=2, disable_dropout=disable_dropout, temperature=20.0)
+    module = _module(
+        family_folders["gpt2"],
+        loss={"num_iterations": 2},
+        base={"disable_dropout": disable_dropout},
+        sampling={"temperature": 20.0},
+    )
     assert module.policy.config.resid_pdrop == module.policy.config.attn_pdrop == 0.1
     calls = []
     policy_loss = grpo.policy_loss
@@ -100,7 +107,7 @@ def test_first_ratio_is_exactly_one_without_dropout(family_folders, make_datamod
 def test_gradient_checkpointing_recomputes_each_layer(family_folders, make_datamodule, lora, checkpointing):
     """A layer runs twice on the same input per update with checkpointing (forward, then again in the backward), once
     without (where a group's prompt and its completions are two forwards of different shapes)."""
-    module = _module(family_folders["llama3"], lora=lora, gradient_checkpointing=checkpointing)
+    module = _module(family_folders["llama3"], lora=lora, base={"gradient_checkpointing": checkpointing})
     layer = next(m for m in module.policy.modules() if type(m).__name__ == "LlamaDecoderLayer")
     shapes, forward = [], layer.forward
 

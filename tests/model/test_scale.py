@@ -190,7 +190,11 @@ class CompletionLength(RewardFunction):
 
 @pytest.mark.parametrize(("precision", "checkpointing"), [("bf16-mixed", True), ("32-true", False)])
 def test_a_training_step_runs_and_moves_weights(make_module, make_datamodule, precision, checkpointing):
-    module = make_module(gradient_checkpointing=checkpointing, learning_rate=1e-2, rewards=[CompletionLength()])
+    module = make_module(
+        rewards=[CompletionLength()],
+        base={"gradient_checkpointing": checkpointing},
+        optimization={"learning_rate": 1e-2},
+    )
     mlp = module.policy.get_decoder().layers[0].mlp  # inside the checkpointed forward, so its hook sees the recompute
     calls, dtypes = [], []
     # a pre-hook: the recompute stops as soon as it has rebuilt what backward needs, before any post-hook could fire
@@ -279,7 +283,7 @@ def test_the_fused_heads_cpu_chunks_hold_at_least_128_rows_and_4_mib_on_a_small_
 
 
 def test_module_scores_the_same_through_the_fused_head_and_the_logits(make_module):
-    module = make_module(tiny=TinyModelConfig(**TINY_SHAPE, freeze_embeddings=False), temperature=0.9)
+    module = make_module(tiny=TinyModelConfig(**TINY_SHAPE, freeze_embeddings=False), sampling={"temperature": 0.9})
     ids = torch.randint(5, len(module.tokenizer), (4, 12))
     attention = torch.ones_like(ids)
     attention[0, :3] = 0  # left padding

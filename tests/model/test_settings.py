@@ -70,7 +70,9 @@ def test_each_group_checks_its_own_values_when_built():
 
 
 def test_hparams_hold_plain_dicts_and_the_module_typed_copies(make_module):
-    module = make_module(temperature=0.9, learning_rate=0.5, eval_num_samples=2)
+    module = make_module(
+        sampling={"temperature": 0.9}, optimization={"learning_rate": 0.5}, evaluation={"num_samples": 2}
+    )
     assert module.sampling == Sampling(num_generations=2, temperature=0.9)
     assert module.optimization == Optimization(learning_rate=0.5)
     assert module.evaluation == Evaluation(num_samples=2) and module.evaluator.pass_k == [1, 2]
@@ -85,7 +87,12 @@ def test_the_default_groups_are_never_shared_between_modules(make_module):
 
 
 def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
-    module = make_module(temperature=0.7, top_k=5, beta=0.0, learning_rate=0.03, eval_temperature=0.2)
+    module = make_module(
+        sampling={"temperature": 0.7, "top_k": 5},
+        loss={"beta": 0.0},
+        optimization={"learning_rate": 0.03},
+        evaluation={"temperature": 0.2},
+    )
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False, max_steps=0)
     trainer.strategy.connect(module)
     path = tmp_path / "grouped.ckpt"

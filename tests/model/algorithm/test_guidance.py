@@ -49,7 +49,9 @@ class Same(RewardFunction):
 
 @pytest.mark.parametrize("guidance", [0.0, 0.5])
 def test_only_the_guidance_moves_the_policy_when_every_answer_scores_alike(make_module, make_datamodule, guidance):
-    module = make_module(rewards=[Same()], beta=0.0, guidance=guidance, learning_rate=1e-2)
+    module = make_module(
+        rewards=[Same()], loss={"beta": 0.0, "guidance": guidance}, optimization={"learning_rate": 1e-2}
+    )
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
 
@@ -66,7 +68,7 @@ def test_the_plain_cross_entropy_is_the_term_when_asked(make_module, make_datamo
     # cross-entropy (CHORD-mu) is at least four times it; the same function for both would give equal values
     terms = {}
     for name in ("phi", "ce"):
-        module = make_module(rewards=[Same()], beta=0.0, guidance=1.0, guidance_loss=name, seed=3)
+        module = make_module(rewards=[Same()], seed=3, loss={"beta": 0.0, "guidance": 1.0, "guidance_loss": name})
         trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
         terms[name] = trainer.callback_metrics["train/guidance_loss"].item()
     assert terms["phi"] > 0 and terms["ce"] >= 4 * terms["phi"]

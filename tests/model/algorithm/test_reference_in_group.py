@@ -62,7 +62,9 @@ class Exact(RewardFunction):
 
 @pytest.mark.parametrize("in_group", [False, True])
 def test_only_the_reference_moves_the_policy_when_no_sample_earns_anything(make_module, make_datamodule, in_group):
-    module = make_module(rewards=[Exact()], beta=0.0, reference_in_group=in_group, learning_rate=1e-2)
+    module = make_module(
+        rewards=[Exact()], loss={"beta": 0.0, "reference_in_group": in_group}, optimization={"learning_rate": 1e-2}
+    )
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
 
@@ -87,19 +89,18 @@ def test_settings_it_cannot_honour_are_refused_naming_the_key(settings, key):
 
 def test_dynamic_sampling_is_refused(make_module):
     with pytest.raises(ValueError, match="model.dynamic_sampling off"):
-        make_module(reference_in_group=True, dynamic_sampling={"max_rounds": 1})
+        make_module(dynamic_sampling={"max_rounds": 1}, loss={"reference_in_group": True})
 
 
 def test_a_step_on_a_llama3_folder_learns_its_targets_tokens(family_folders, make_datamodule):
     """Byte-level BPE, a chat template, several stop ids, no pad token, `from_pretrained` from disk: the reference's
     tokens are the tokenized target plus a stop, after the templated prompt."""
-    from interleave_model.legacy import grouped_hparams
     from interleave_model.module import InterleaveGRPO
 
-    module = InterleaveGRPO(**grouped_hparams({
-        "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 2,
-        "beta": 0.0, "rewards": [Exact()], "reference_in_group": True, "learning_rate": 1e-2,
-    }))  # fmt: skip
+    module = InterleaveGRPO(
+        base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
+        loss={"beta": 0.0, "reference_in_group": True}, rewards=[Exact()], optimization={"learning_rate": 1e-2},
+    )  # fmt: skip
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
     logged = trainer.callback_metrics
     assert logged["train/reference_advantage"].item() > 0
@@ -109,15 +110,15 @@ def test_a_step_on_a_llama3_folder_learns_its_targets_tokens(family_folders, mak
 def test_the_reference_term_in_micro_batches_is_the_whole_batch_mean(family_folders, make_datamodule):
     # LUFFY's loss is a mean over the references (rows): one row at a time, each weighted by its share of the rows,
     # gives the loss of both at once (a weighting by target tokens, the cross-entropies', would not: BPE lengths differ)
-    from interleave_model.legacy import grouped_hparams
     from interleave_model.module import InterleaveGRPO
 
     logged = {}
     for micro in (None, 1):
-        module = InterleaveGRPO(**grouped_hparams({
-            "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 2,
-            "beta": 0.0, "rewards": [Exact()], "reference_in_group": True, "micro_batch_size": micro,
-        }))  # fmt: skip
+        module = InterleaveGRPO(
+            base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
+            loss={"beta": 0.0, "reference_in_group": True}, rewards=[Exact()],
+            optimization={"micro_batch_size": micro},
+        )  # fmt: skip
         metrics = fit_one_grpo_step(module, make_datamodule, batch_size=2).callback_metrics
         logged[micro] = metrics["train/reference_loss"].item(), metrics["train/reference_advantage"].item()
     assert logged[1] == pytest.approx(logged[None], rel=1e-5)

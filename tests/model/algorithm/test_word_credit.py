@@ -18,7 +18,6 @@ from interleave_model.algorithm.word_credit import (
     word_advantages,
 )
 from interleave_model.generation.rollout import Rollout, completion_texts
-from interleave_model.legacy import grouped_hparams
 from interleave_model.model.policy import load_pretrained, stop_token_ids
 from interleave_model.module import InterleaveGRPO
 from tests.conftest import fit_one_grpo_step
@@ -173,11 +172,11 @@ def test_a_row_decoded_apart_differently_gets_no_credit(family):
 def test_a_grpo_step_with_word_credit_trains_on_per_token_advantages(
     credit, family_folders, make_datamodule, monkeypatch
 ):
-    module = InterleaveGRPO(**grouped_hparams({
-        "model_name_or_path": str(family_folders["llama3"]), "template": "compact", "num_generations": 4,
-        "beta": 0.0, "credit": credit, "warmup_steps": 0, "learning_rate": 1e-2,
-        "temperature": 20.0,  # the random folder is near one-hot at T 1: no gradient to see
-    }))  # fmt: skip
+    module = InterleaveGRPO(
+        base={"name_or_path": str(family_folders["llama3"])}, template="compact",
+        sampling={"num_generations": 4, "temperature": 20.0},  # the random folder is near one-hot at T 1
+        loss={"beta": 0.0, "credit": credit}, optimization={"warmup_steps": 0, "learning_rate": 1e-2},
+    )  # fmt: skip
     seen = []
     policy_loss = grpo.policy_loss
 

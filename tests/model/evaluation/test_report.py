@@ -28,7 +28,7 @@ def _trainer(tmp_path):
 
 
 def test_tiny_model_report_on_two_lengths_has_every_field(make_module, make_datamodule, tmp_path):
-    module = make_module(eval_num_samples=2, eval_temperature=1.0)
+    module = make_module(evaluation={"num_samples": 2, "temperature": 1.0})
     datamodule = make_datamodule(module.tokenizer)  # lengths 4 and 8, 4 val / test pairs each
     trainer = _trainer(tmp_path)
     trainer.validate(module, datamodule=datamodule, verbose=False)

@@ -141,8 +141,10 @@ def test_grouped_decode_attention_never_transposes_the_cache():
 def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(make_module, make_datamodule):
     from tests.conftest import fit_one_grpo_step
 
-    module = make_module(lora=LoraSettings(r=4, alpha=8, dropout=0.0), beta=0.0, num_generations=4,
-                         merged_copy="float32", importance_sampling_cap=2.0)  # fmt: skip
+    module = make_module(
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0), loss={"beta": 0.0},
+        sampling={"num_generations": 4, "merged_copy": "float32", "importance_sampling_cap": 2.0},
+    )  # fmt: skip
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
     metrics = trainer.callback_metrics
     assert module.sampler.copy is not None and module.sampler.copy.version == 0  # sampled the first step's weights

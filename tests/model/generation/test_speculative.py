@@ -192,7 +192,7 @@ def test_recorded_log_probs_are_the_trainers_scores(family_folders):
 
 
 def test_the_sampler_speculates_when_the_settings_ask(make_module):
-    module = make_module(speculative_tokens=3, speculative_ngram=2).eval()
+    module = make_module(sampling={"speculative_tokens": 3, "speculative_ngram": 2}).eval()
     enc = module.tokenizer(["A: the first B: a second Interleave:"], return_tensors="pt")
     target = module.tokenizer("the a first second", add_special_tokens=False)["input_ids"]
     batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "n_words": [2], "target_ids": [target]}

@@ -83,7 +83,7 @@ def test_lora_adapter_export_of_the_tiny_model(make_module, tmp_path):
 def test_lora_adapter_of_a_local_model_names_its_folder(make_module, tmp_path):
     base = make_module()
     export(base, tmp_path / "base")
-    module = _lora_module(make_module, model_name_or_path=str(tmp_path / "base"))
+    module = _lora_module(make_module, base={"name_or_path": str(tmp_path / "base")})
 
     out = export(module, tmp_path / "adapter")
     config = json.loads((out / "adapter_config.json").read_text())
@@ -96,7 +96,7 @@ def test_lora_adapter_of_a_local_model_names_its_folder(make_module, tmp_path):
 def test_lora_adapter_of_a_relative_model_path_names_it_absolute(make_module, tmp_path, monkeypatch):
     export(make_module(), tmp_path / "base")
     monkeypatch.chdir(tmp_path)
-    module = _lora_module(make_module, model_name_or_path="./base")
+    module = _lora_module(make_module, base={"name_or_path": "./base"})
 
     out = export(module, tmp_path / "adapter")
     monkeypatch.chdir(out)  # where "./base" names nothing
@@ -160,4 +160,4 @@ def test_a_checkpoint_that_does_not_fit_is_refused_alike_by_export_and_init_from
     with pytest.raises(
         PolicyError, match=r"(?s)model.base.init_from: .*a\.ckpt: weights do not fit this model: .*Missing key"
     ):
-        make_module(init_from=str(tmp_path / "a.ckpt"))
+        make_module(base={"init_from": str(tmp_path / "a.ckpt")})

@@ -22,7 +22,7 @@ def _trainer(root, steps: int) -> L.Trainer:
 def lora_run(make_module, make_datamodule, tmp_path):
     """Two warm-start steps and one GRPO step of LoRA on a tiny base saved to disk; the module and its checkpoint."""
     base = export(make_module(), tmp_path / "base")
-    make = lambda **kw: make_module(model_name_or_path=str(base), lora=LORA, **kw)  # noqa: E731
+    make = lambda init_from=None: make_module(base={"name_or_path": str(base), "init_from": init_from}, lora=LORA)  # noqa: E731
     module = make()
     trainer = _trainer(tmp_path, steps=3)
     trainer.fit(module, datamodule=make_datamodule(module.tokenizer, sft_steps=2))

@@ -403,9 +403,11 @@ def test_init_from_a_checkpoint_a_model_folder_or_an_adapter(tmp_path, tiny, mak
     export(lora, tmp_path / "adapter")
 
     for source in ("a.ckpt", "full"):
-        started = make_module(init_from=str(tmp_path / source))
+        started = make_module(base={"init_from": str(tmp_path / source)})
         assert all(torch.equal(v, tiny.policy.state_dict()[k]) for k, v in started.policy.state_dict().items())
-    continued = make_module(lora=LoraSettings(r=2, target_modules=["q_proj"]), init_from=str(tmp_path / "adapter"))
+    continued = make_module(
+        lora=LoraSettings(r=2, target_modules=["q_proj"]), base={"init_from": str(tmp_path / "adapter")}
+    )
     assert all(torch.equal(v, lora.policy.state_dict()[k]) for k, v in continued.policy.state_dict().items())
     with pytest.raises(PolicyError, match="set model.lora"):
         load_initial_weights(make_module().policy, tmp_path / "adapter")
