@@ -130,6 +130,7 @@ def __getattr__(name: str) -> Any:
 # settings that left their group, as older checkpoints name them: `(group class name, field) -> why`
 REMOVED = {
     ("Optimization", "sft_steps"): "the data's data.sft_steps schedules the phases (InterleaveGRPO.phases)",
+    ("Loss", "credit"): "per-word credit had no finding on any subject; GRPO's credit per answer is used",
 }
 
 

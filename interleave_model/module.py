@@ -35,7 +35,6 @@ from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFu
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.supervised import sft_inputs
-from interleave_model.algorithm.word_credit import word_decisions
 from interleave_model.evaluation.evaluator import Evaluator, logged_values, prediction_records
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
@@ -283,10 +282,6 @@ class InterleaveGRPO(L.LightningModule):
             advantages, reference = mixed_group_advantages(rewards, self._reference_rewards(batch), G, *scaling)
         else:
             advantages = grpo.group_advantages(rewards, G, *scaling)  # [P*G]
-        credit, words = {}, (None, None)
-        if loss.credit != "sequence":  # each word its own advantage in the update (`Trajectory.token_advantages`)
-            *words, unmatched = word_decisions(self.tokenizer, roll, targets, self.stop_ids, loss.credit)
-            credit["train/word_credit_unmatched"] = unmatched
         scored = time.perf_counter()
 
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
@@ -296,10 +291,10 @@ class InterleaveGRPO(L.LightningModule):
             # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
             old = self._logprobs(self.policy, *sequences) if loss.num_iterations > 1 else None
             ref = self._reference_logprobs(*sequences) if loss.beta > 0 else None
-        fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll, *words)
+        fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
         trajectory = Trajectory(*fixed, reference_advantages=reference)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
-        stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled} | credit
+        stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         return trajectory, stats
 
@@ -320,7 +315,7 @@ class InterleaveGRPO(L.LightningModule):
         engine_logprobs = trajectory.rollout.logprobs  # [N, C], the sampling engine's, when it records them
         if engine_logprobs is not None:  # how far its numerics are from the trainer's (the off-policy gap)
             totals["engine_logprob_gap"] = 0.0
-        advantages = grpo.signed_advantages(trajectory.token_advantages(G), loss.advantage_sign)  # [N], or [N, C]
+        advantages = grpo.signed_advantages(trajectory.advantages, loss.advantage_sign)  # [N]
         reference = trajectory.reference_advantages  # [P], with the known answer as one more group member
         samples_share = 1.0 if reference is None else G / (G + 1)
         optimizer = self.optimizers()

@@ -26,7 +26,7 @@ model:
 - `DynamicSampling` (`model.dynamic_sampling`): DAPO's refill; the module runs `algorithm/dynamic_sampling.py`.
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
-The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`, `Credit`,
+The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`,
 `GuidanceLoss`, `LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups
 existed hold the first five flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...);
 `legacy.grouped_hparams` puts them into their groups. The classes also stay importable from the modules that held
@@ -47,7 +47,6 @@ LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
 AdvantageSign = Literal["both", "positive", "negative"]
-Credit = Literal["sequence", "word", "position", "pair"]
 GuidanceLoss = Literal["phi", "ce"]
 LrSchedule = Literal["cosine", "constant"]
 
@@ -167,11 +166,6 @@ class Loss:
         advantage_sign: "both" (GRPO); "positive" keeps only the completions above their baseline (positive sample
             reinforcement, PSR), "negative" only those below it (negative sample reinforcement, NSR; Zhu et al.,
             arXiv 2506.01347): the others get advantage 0.
-        credit: "sequence" (GRPO: every token gets its completion's advantage); "word": each word up to the first
-            mistake its own, from the group's completions at the same state, and the completion's advantage after
-            it; "position": every word judged against the target's word at its position, and the stop against the
-            target's length, with the group's share right there as the baseline; "pair": as "position", the two words
-            of each pair right only together (`algorithm/word_credit.py`).
         guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
             supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
             target token in any gradient.
@@ -181,8 +175,8 @@ class Loss:
             p)`` (CHORD-phi); "ce", the plain cross-entropy of the warm start (CHORD-mu).
         reference_in_group: The known answer joins each group as one more member with its reward, and its tokens are
             learned through policy shaping (LUFFY, `algorithm/guidance.py`); the loss is ``G / (G + 1)`` of GRPO's on
-            the samples plus ``1 / (G + 1)`` of the reference's. False (default): pure GRPO. Needs `credit:
-            sequence`, `scale_rewards` `group` or `none`, and no dynamic sampling.
+            the samples plus ``1 / (G + 1)`` of the reference's. False (default): pure GRPO. Needs
+            `scale_rewards` `group` or `none`, and no dynamic sampling.
         shaping_gamma: gamma of the shaping ``p / (p + gamma)`` on the reference's tokens, > 0.
     """
 
@@ -196,7 +190,6 @@ class Loss:
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
     advantage_sign: AdvantageSign = "both"
-    credit: Credit = "sequence"
     guidance: float = 0.0
     guidance_final: float = 0.0
     guidance_decay_steps: int = 0
@@ -207,10 +200,10 @@ class Loss:
     def __post_init__(self) -> None:
         if self.shaping_gamma <= 0:
             raise SettingsError(f"model.loss.shaping_gamma must be > 0, got {self.shaping_gamma}")
-        if self.reference_in_group and (self.credit != "sequence" or self.scale_rewards == "batch"):
+        if self.reference_in_group and self.scale_rewards == "batch":
             raise SettingsError(
-                "model.loss.reference_in_group scores each group with its reference: it needs credit: sequence and "
-                f"scale_rewards group or none, got credit {self.credit}, scale_rewards {self.scale_rewards}"
+                "model.loss.reference_in_group scores each group with its reference: it needs scale_rewards group or "
+                f"none, got {self.scale_rewards}"
             )
         for name in ("guidance", "guidance_final"):
             if not 0.0 <= getattr(self, name) <= 1.0:

@@ -101,7 +101,10 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     "setting, says",
     [
         (["--model.loss.guidance=1.5"], "error: model.loss.guidance must be in [0, 1], got 1.5"),
-        (["--model.loss.reference_in_group=true", "--model.loss.credit=word"], "error: model.loss.reference_in_group"),
+        (
+            ["--model.loss.reference_in_group=true", "--model.loss.scale_rewards=batch"],
+            "error: model.loss.reference_in_group",
+        ),
     ],
 )
 def test_a_setting_out_of_range_is_a_one_line_error_with_exit_2(setting, says, capsys):
@@ -140,12 +143,14 @@ def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_kno
 
 
 def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog):
-    """`model.optimization.sft_steps` (now the data's alone) in a CLI run's checkpoint: dropped in one line."""
+    """`model.optimization.sft_steps` (now the data's alone) and `model.loss.credit` (removed) in a CLI run's
+    checkpoint: each dropped in one line."""
     from interleave_model.module import InterleaveGRPO
 
     _, fit_root = fitted
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
     checkpoint["hyper_parameters"]["optimization"]["sft_steps"] = 2
+    checkpoint["hyper_parameters"]["loss"]["credit"] = "word"
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
 
@@ -154,6 +159,7 @@ def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted,
         main(["export", "--config", str(TINY_CONFIG), f"--ckpt_path={old}", f"--output_dir={tmp_path / 'hf'}"])
     assert loaded.optimization.learning_rate == checkpoint["hyper_parameters"]["optimization"]["learning_rate"]
     assert "model.optimization.sft_steps is no longer a setting, ignored" in caplog.text
+    assert "model.loss.credit is no longer a setting, ignored (per-word credit had no finding" in caplog.text
     assert (tmp_path / "hf" / "config.json").exists()
 
 

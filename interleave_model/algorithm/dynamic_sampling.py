@@ -127,6 +127,4 @@ def concat(parts: list[Trajectory], pad_token_id: int) -> Trajectory:
         rewards=torch.cat([p.rewards for p in parts]),
         advantages=torch.cat([p.advantages for p in parts]),
         rollout=rollout,
-        word_index=right([p.word_index for p in parts], -1),
-        decisions=right([p.decisions for p in parts], -1),
     )

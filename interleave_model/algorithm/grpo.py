@@ -219,7 +219,7 @@ def policy_loss(
         logprobs: ``[N, L]`` log-probs of the completion tokens under the current policy (with grad).
         old_logprobs: ``[N, L]`` log-probs under the policy that sampled them (``logprobs.detach()`` on the first
             pass over a rollout, making ``ratio == 1`` in value but not in gradient).
-        advantages: ``[N]`` one advantage per sequence, or ``[N, L]`` one per token (`word_credit`).
+        advantages: ``[N]`` one advantage per sequence.
         mask: ``[N, L]`` bool or 0/1: the completion tokens that count.
         epsilon: Lower clip range, ratio >= ``1 - epsilon``.
         epsilon_high: Upper clip range (DAPO's clip-higher), ratio <= ``1 + epsilon_high``; defaults to ``epsilon``.
@@ -250,8 +250,8 @@ def policy_loss(
         if other is not None and other.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
     n = logprobs.shape[0]
-    if advantages.shape not in ((n,), logprobs.shape):
-        raise ValueError(f"advantages must be [N] or [N, L], got {tuple(advantages.shape)}")
+    if advantages.shape != (n,):
+        raise ValueError(f"advantages must be [N], got {tuple(advantages.shape)}")
     if loss_type == "dr_grpo" and max_completion_length is None:
         raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
     if max_completion_length is not None and max_completion_length < 1:
@@ -264,7 +264,7 @@ def policy_loss(
     zeros = torch.zeros_like(logprobs)  # [N, L]
     logprobs = torch.where(mask, logprobs, zeros)  # [N, L]
     ratio = torch.exp(logprobs - torch.where(mask, old_logprobs, zeros))  # [N, L]
-    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(ratio.dtype)  # [N, 1] or [N, L]
+    adv = advantages[:, None].to(ratio.dtype)  # [N, 1]
     unclipped = ratio * adv  # [N, L]
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv  # [N, L]
     pg_per_token = -torch.minimum(unclipped, clipped)  # [N, L]

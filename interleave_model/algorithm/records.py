@@ -7,7 +7,6 @@ from typing import NamedTuple
 from torch import Tensor
 
 from interleave_model.algorithm import grpo
-from interleave_model.algorithm.word_credit import word_advantages
 from interleave_model.evaluation.metric import AlignmentScore
 from interleave_model.generation.rollout import Rollout
 
@@ -24,15 +23,7 @@ class Trajectory(NamedTuple):
     rewards: Tensor  # [P*G]
     advantages: Tensor  # [P*G] one per completion
     rollout: Rollout
-    word_index: Tensor | None = None  # [P*G, C] the word each token writes, with per-word credit (-1: none)
-    decisions: Tensor | None = None  # [P*G, J] each completion's decisions, with per-word credit (-1: none)
     reference_advantages: Tensor | None = None  # [P] each group's known answer, with `loss.reference_in_group`
-
-    def token_advantages(self, num_generations: int) -> Tensor:
-        """The advantages the loss takes: [P*G], or [P*G, C] with per-word credit (`word_credit.word_advantages`)."""
-        if self.word_index is None:
-            return self.advantages
-        return word_advantages(self.word_index, self.decisions, num_generations, self.advantages)
 
 
 class StepRecord(NamedTuple):

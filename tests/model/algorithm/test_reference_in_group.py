@@ -78,7 +78,7 @@ def test_only_the_reference_moves_the_policy_when_no_sample_earns_anything(make_
 
 @pytest.mark.parametrize(
     "settings, key",
-    [({"credit": "word"}, "credit"), ({"scale_rewards": "batch"}, "scale_rewards"), ({"shaping_gamma": 0.0}, "gamma")],
+    [({"scale_rewards": "batch"}, "scale_rewards"), ({"shaping_gamma": 0.0}, "gamma")],
 )
 def test_settings_it_cannot_honour_are_refused_naming_the_key(settings, key):
     from interleave_model.settings import Loss

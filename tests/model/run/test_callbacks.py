@@ -480,18 +480,6 @@ def test_select_and_concat_keep_rows_whole(tmp_path):
     assert concat([picked], 0) is picked
 
 
-def test_word_credits_fields_are_padded_with_no_decision():
-    """Word credit's word index ([N, C]) and decisions ([N, J]): parts of different widths are joined with -1 (no
-    word, no decision) after each row, so the update gives padding and missing decisions no credit of their own."""
-    short, long = _trajectory([0.0, 1.0], 1, 2), _trajectory([0.5, 0.2], 1, 3, first_id=40)
-    short = short._replace(word_index=torch.tensor([[0, 1], [0, 0]]), decisions=torch.tensor([[1], [0]]))
-    long = long._replace(word_index=torch.tensor([[0, 1, 2], [0, 1, 1]]), decisions=torch.tensor([[1, 1], [1, 0]]))
-    joined = concat([short, long], 0)
-    assert joined.word_index.tolist() == [[0, 1, -1], [0, 0, -1], [0, 1, 2], [0, 1, 1]]
-    assert joined.decisions.tolist() == [[1, -1], [0, -1], [1, 1], [1, 0]]
-    assert concat([_trajectory([0.0, 1.0], 1, 2)] * 2, 0).word_index is None
-
-
 class _EvenTargetsFlat(RewardFunction):
     """Varied rewards for targets of odd character length, all-zero groups for even ones."""
 
