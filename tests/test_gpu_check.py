@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+sys.path.insert(0, str(SCRIPT.parent))  # as running the script puts its folder first: its helpers import from there
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)  # stdlib only at import: what the refusal relies on
@@ -91,14 +92,16 @@ def test_the_module_is_built_from_every_key_of_the_config():
     """Rewards, dynamic sampling and every group come from the YAML as `cli.py` parses it; a change updates one
     group's keys and keeps the rest."""
     model = gpu_check.config("smollm2.yaml")["model"] | {
-        "rewards": [{"class_path": "interleave_model.algorithm.rewards.PrefixReward", "init_args": {"weight": 0.5}}],
+        "rewards": [
+            {"class_path": "interleave_model.algorithm.rewards.BothStreamsReward", "init_args": {"weight": 0.5}}
+        ],
         "dynamic_sampling": {"max_rounds": 1},
     }
     tiny = {"hidden_size": 16, "num_layers": 1, "num_heads": 1, "intermediate_size": 16}
     module = gpu_check.module_from(
         model, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny, sampling={"num_generations": 2}
     )
-    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("PrefixReward", 0.5)]
+    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("BothStreamsReward", 0.5)]
     assert module.dynamic_sampling.max_rounds == 1 and module.base.disable_dropout
     assert module.sampling.num_generations == 2 and module.sampling.temperature == model["sampling"]["temperature"]
     assert module.hparams.lora.r == model["lora"]["r"] and module.optimization.micro_batch_size == 8

@@ -91,36 +91,6 @@ class BothStreamsReward(RewardFunction):
         ]
 
 
-class PrefixReward(RewardFunction):
-    """Pays for the correct start: ``first_error / max(n_pred, n_target)``, the target's words written in order
-    before the first departure, scaled down by words past the target's length.
-
-    Interleaving goes wrong where an answer stops alternating; this reward is that place. Within a group, answers
-    differ mostly in how long they keep interleaving, so the group-relative advantage ranks exactly that:
-
-    ========================================= ========= ============ ======
-    answer (10-word fragments, 20 words)      alignment both streams prefix
-    ========================================= ========= ============ ======
-    correct                                   1.000     1.000        1.000
-    fragment A copied, nothing else           0.500     0.000        0.050
-    two pairs interleaved, then the rest of A 0.600     0.200        0.250
-    A then B (concatenated)                   0.100     0.100        0.050
-    the correct first 14 words, then stop     0.700     0.700        0.700
-    one wrong word at word k (0-based)        0.950     0.900        k / 20
-    ========================================= ========= ============ ======
-
-    The last row is its cost: everything after the first error is ignored, so one early slip is paid like a copy.
-    `Alignment.first_error` is the length of the common word prefix.
-    """
-
-    name = "prefix"
-
-    def __call__(
-        self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool], **fields: Sequence
-    ) -> list[float]:
-        return [a.first_error / max(a.n_pred, a.n_target, 1) for a in align_batch(completions, targets)]
-
-
 class FormatReward(RewardFunction):
     """Penalty in [-1, 0] for rambling: words beyond the target's length, and a missing EOS.
 

@@ -8,7 +8,6 @@ from interleave_model.algorithm.rewards import (
     AlignmentReward,
     BothStreamsReward,
     FormatReward,
-    PrefixReward,
     RewardFunction,
     combine,
 )
@@ -145,36 +144,3 @@ def test_a_step_aligns_each_completion_once_for_the_reward_and_the_logged_stream
     assert (after.hits - before.hits, after.misses - before.misses) == (3, 0)
     # the lookups are the same alignments: A copied, and A then B (all of A in place, one word of B), hold one stream
     assert stats["train/copy_share"] == pytest.approx(2 / 3)
-
-
-def _prefix(answer: str) -> float:
-    (value,) = PrefixReward()([answer], [TARGET], [False])
-    return value
-
-
-@pytest.mark.parametrize(
-    ("answer", "expected"),
-    [
-        (TARGET, 1.0),
-        (" ".join(A), 1 / 20),  # a copy of A: only "a0" is in place
-        (" ".join(B), 0.0),
-        (" ".join(A + B), 1 / 20),
-        (" ".join(["a0", "b0", "a1", "b1", *A[2:]]), 5 / 20),  # two pairs, then the rest of A from a2: 5 in place
-        (" ".join(TARGET.split()[:14]), 14 / 20),  # the correct first 14 words, then stop
-        ("", 0.0),
-    ],
-    ids=["correct", "copy-A", "copy-B", "concatenated", "pairs-then-A", "first-14", "empty"],
-)
-def test_prefix_pays_the_correct_start(answer, expected):
-    assert _prefix(answer) == pytest.approx(expected)
-
-
-@pytest.mark.parametrize("where", [0, 7, 19])
-def test_prefix_stops_paying_at_the_first_wrong_word(where):
-    words = TARGET.split()
-    assert _prefix(" ".join(words[:where] + ["zz"] + words[where + 1 :])) == pytest.approx(where / 20)
-
-
-def test_prefix_penalises_words_past_the_target():
-    assert _prefix(TARGET + " x y z w v") == pytest.approx(20 / 25)
-    assert _prefix(TARGET + " x y z w v") < _prefix(TARGET + " x") < _prefix(TARGET)
