@@ -134,8 +134,13 @@ REMOVED = {
 }
 
 
+# the removed settings this process has said it ignores: a command reads a checkpoint's settings several times
+TOLD: set[tuple[str, str]] = set()
+
+
 def _without_removed(hparams: dict[str, Any]) -> dict[str, Any]:
-    """Grouped hyperparameters without the settings removed since (`REMOVED`), one line for each one dropped."""
+    """Grouped hyperparameters without the settings removed since (`REMOVED`), one line for each one dropped (once
+    per process)."""
     from lightning.pytorch.utilities import rank_zero_info
 
     out = dict(hparams)
@@ -143,7 +148,9 @@ def _without_removed(hparams: dict[str, Any]) -> dict[str, Any]:
         group = out.get(cls.lower())
         if isinstance(group, dict) and name in group:
             out[cls.lower()] = {key: value for key, value in group.items() if key != name}
-            rank_zero_info(f"checkpoint: model.{cls.lower()}.{name} is no longer a setting, ignored ({why})")
+            if (cls, name) not in TOLD:
+                TOLD.add((cls, name))
+                rank_zero_info(f"checkpoint: model.{cls.lower()}.{name} is no longer a setting, ignored ({why})")
     return out
 
 

@@ -142,11 +142,13 @@ def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_kno
     assert error.endswith("run with --data.template compact") and not any(tmp_path.iterdir())
 
 
-def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog):
+def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog, monkeypatch):
     """`model.optimization.sft_steps` (now the data's alone) and `model.loss.credit` (removed) in a CLI run's
     checkpoint: each dropped in one line."""
+    from interleave_model import legacy
     from interleave_model.module import InterleaveGRPO
 
+    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
     _, fit_root = fitted
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
     checkpoint["hyper_parameters"]["optimization"]["sft_steps"] = 2

@@ -8,6 +8,7 @@ import lightning as L
 import pytest
 import torch
 
+from interleave_model import legacy
 from interleave_model.legacy import FLAT_NAMES, REMOVED, MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.module import InterleaveGRPO
 from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group
@@ -32,12 +33,14 @@ def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_n
     assert set(FLAT_NAMES.values()) == fields | removed and not fields & removed
 
 
-def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog):
+def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog, monkeypatch):
+    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
     with caplog.at_level("INFO"):
         grouped = grouped_hparams({"optimization": {"sft_steps": 5, "learning_rate": 2e-4}, "seed": 1})
         flat = grouped_hparams({"sft_steps": 5, "learning_rate": 2e-4})
     assert grouped["optimization"] == flat["optimization"] == {"learning_rate": 2e-4} and grouped["seed"] == 1
     assert "model.optimization.sft_steps is no longer a setting, ignored (the data's data.sft_steps" in caplog.text
+    assert caplog.text.count("model.optimization.sft_steps is no longer a setting") == 1  # read twice, said once
     with pytest.raises(TypeError):
         as_group(Optimization, {"learning_rat": 2e-4})  # a name that never was one is still refused
 
