@@ -45,7 +45,10 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
         rollout_engine=args.rollout_engine,
         vllm=VllmSettings(kv_cache_memory_bytes=args.kv_cache_mb and args.kv_cache_mb * 2**20),
         sampling=Sampling(
-            num_generations=args.generations, max_new_tokens=args.max_new_tokens, merged_copy=args.merged_copy
+            num_generations=args.generations,
+            max_new_tokens=args.max_new_tokens,
+            merged_copy=None if args.merged_copy == "none" else args.merged_copy,
+            importance_sampling_cap=None if args.merged_copy == "none" else 2.0,
         ),
         loss=Loss(beta=args.beta),
         optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
@@ -86,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the automatic budget, as training")
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="model.rollout_engine")
-    parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], help="model.sampling.merged_copy")
+    parser.add_argument("--merged-copy", choices=["auto", "float32", "bfloat16", "none"], default="auto",
+                        help="model.sampling.merged_copy; none: sample from the policy")  # fmt: skip
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM's KV cache (MiB); default: its share")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--bf16", action="store_true", help="precision bf16-mixed (GPU, or CPU with bf16)")

@@ -104,7 +104,9 @@ class Sampling:
             (`generation/merged_copy.py`); null samples from the policy itself. "float32" samples the same
             distribution up to rounding; "bfloat16" reads half the bytes per decode step but samples a slightly
             different policy (its log-probs are recorded: `train/engine_logprob_gap`), and on a CPU without bf16
-            instructions falls back to "float32". Validation, test and predict always sample from the policy.
+            instructions falls back to "float32". "auto" times a short rollout of the first training batch from
+            each and keeps the faster (`merged_copy.fastest_copy`), said in one line. Validation, test and predict
+            always sample from the policy.
         importance_sampling_cap: With a merged copy, weight each token's policy-gradient term by the truncated
             importance ratio min(pi_policy / pi_copy, cap) (TIS, as `model.vllm.importance_sampling_cap` does for
             vLLM's samples); null: no correction.
@@ -135,9 +137,9 @@ class Sampling:
             raise SettingsError(
                 f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
             )
-        if self.merged_copy not in (None, "float32", "bfloat16"):
+        if self.merged_copy not in (None, "auto", "float32", "bfloat16"):
             raise SettingsError(
-                f"model.sampling.merged_copy must be null, float32 or bfloat16, got {self.merged_copy!r}"
+                f"model.sampling.merged_copy must be null, auto, float32 or bfloat16, got {self.merged_copy!r}"
             )
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1.0:
             raise SettingsError(

@@ -15,6 +15,7 @@ attention with options it does not implement (soft-capping, sinks) go to transfo
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable
 
 import torch
@@ -124,6 +125,7 @@ class MergedCopy:
             model = copy.deepcopy(policy)
             model = model.merge_and_unload() if is_peft(model) else model
         self.model = model.to(DTYPES[dtype]).eval().requires_grad_(False)
+        self.dtype = dtype
         try:
             self.model.set_attn_implementation(GROUPED_DECODE)
         except ValueError:  # an architecture transformers does not run with custom attention keeps its own
@@ -167,3 +169,31 @@ def _merged_weight(layer) -> Tensor:
         if adapter in layer.lora_A:
             weight = weight + layer.get_delta_weight(adapter)
     return weight
+
+
+def fastest_copy(
+    policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], repeats: int = 2
+) -> tuple[MergedCopy, dict[str, float]]:
+    """The merged copy, float32 or bfloat16, whose `draw` (a short rollout) takes the least wall time on this
+    machine, and each dtype's seconds (the best of `repeats` draws, the first one a warm-up left out when more).
+
+    Which is faster depends on the machine more than on its flags (one Intel host decoded faster in float32, another
+    in bfloat16), so it is measured. Under torch.distributed the ranks' times are summed first, so every rank keeps
+    the same dtype.
+    """
+    seconds, copies = {}, {}
+    for dtype in DTYPES:
+        merged = MergedCopy(policy, dtype)
+        model = merged.refresh(None)
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            draw(model)
+            times.append(time.perf_counter() - began)
+        seconds[dtype], copies[dtype] = min(times[1:] or times), merged
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        device = next(policy.parameters()).device
+        summed = torch.tensor(list(seconds.values()), dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(summed)
+        seconds = dict(zip(seconds, summed.tolist(), strict=True))
+    return copies[min(seconds, key=seconds.get)], seconds

@@ -10,9 +10,10 @@ from functools import partial
 from typing import Literal
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
-from interleave_model.generation.merged_copy import MergedCopy
+from interleave_model.generation.merged_copy import MergedCopy, fastest_copy
 from interleave_model.generation.rollout import Rollout, answer_budget, rollout, token_budget
 from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
@@ -26,6 +27,8 @@ VLLM_SPECULATION = (
     "model.sampling.speculative_tokens: the own sampler's speculation; vLLM samples without "
     "speculation, since its ngram method returns wrong log-probs for some sampled tokens"
 )
+
+AUTO_PROBE_TOKENS = 16  # decode steps of each dtype's timed rollout, `merged_copy: auto`
 
 
 class Sampler:
@@ -84,7 +87,7 @@ class Sampler:
         if self.kind == "own":
             model = self.policy
             if training and self.sampling.merged_copy is not None:
-                self.copy = self.copy or MergedCopy(self.policy, self.sampling.merged_copy)
+                self.copy = self.copy or self._merged_copy(batch, kwargs)
                 model, kwargs["with_logprobs"] = self.copy.refresh(version), True
             if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
                 kwargs["draw"] = partial(speculative_sample, sources=batch["target_ids"],
@@ -96,6 +99,26 @@ class Sampler:
         if training:
             engine.sleep()
         return roll
+
+    def _merged_copy(self, batch: dict, kwargs: dict) -> MergedCopy:
+        """The configured merged copy; with "auto", the dtype whose short rollout of this batch's first prompt runs
+        faster here (`fastest_copy`), said in one line."""
+        if self.sampling.merged_copy != "auto":
+            return MergedCopy(self.policy, self.sampling.merged_copy)
+        probe = kwargs | {
+            "max_new_tokens": min(kwargs["max_new_tokens"], AUTO_PROBE_TOKENS),
+            "generator": torch.Generator().manual_seed(0),
+        }  # the training stream's draws untouched
+        ids, mask = batch["prompt_ids"][:1], batch["prompt_mask"][:1]
+
+        def draw(model):
+            return rollout(model, self.tokenizer, ids, mask, self.stop_ids, **probe, with_logprobs=True)
+
+        chosen, seconds = fastest_copy(self.policy, draw)
+        timed = ", ".join(f"{dtype} {s:.3f} s" for dtype, s in seconds.items())
+        rank_zero_info(f"model.sampling.merged_copy: auto samples from the {chosen.dtype} copy, the "
+                       f"faster here ({timed} for {probe['max_new_tokens']} tokens of one group)")  # fmt: skip
+        return chosen
 
     def budget(self, target_ids: list[list[int]]) -> int:
         """Token budget for a batch's targets (their token ids, from `collate`)."""

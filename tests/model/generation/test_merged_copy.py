@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from interleave_model.algorithm.completions import completion_logprobs
-from interleave_model.generation.merged_copy import MergedCopy, grouped_decode_attention
+from interleave_model.generation.merged_copy import MergedCopy, fastest_copy, grouped_decode_attention
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
@@ -152,7 +152,41 @@ def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(m
     assert not any(name.startswith("sampler") for name in module.state_dict())  # the copy is never saved
 
 
+@pytest.mark.parametrize("slow", ["float32", "bfloat16"])
+def test_the_fastest_copy_is_the_dtype_whose_rollout_took_least(lora_policy, monkeypatch, slow):
+    policy, _, _ = lora_policy
+    now = [0.0]  # a clock that only the draws move: the slow dtype's draw takes 5 s, the other's 1 s
+    monkeypatch.setattr("interleave_model.generation.merged_copy.time.perf_counter", lambda: now[0])
+    drawn = []
+
+    def draw(model):
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        drawn.append(dtype)
+        now[0] += 5.0 if dtype == slow else 1.0
+
+    chosen, seconds = fastest_copy(policy, draw)
+    fast = ({"float32", "bfloat16"} - {slow}).pop()
+    assert chosen.dtype == fast and str(next(chosen.model.parameters()).dtype) == f"torch.{fast}"
+    assert seconds == {slow: 5.0, fast: 1.0} and sorted(drawn) == sorted([slow, slow, fast, fast])
+
+
+def test_auto_picks_a_copy_once_on_the_first_training_rollout_and_says_so(make_module, make_datamodule, caplog):
+    from tests.conftest import fit_one_grpo_step
+
+    module = make_module(
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0), loss={"beta": 0.0},
+        sampling={"num_generations": 2, "merged_copy": "auto", "importance_sampling_cap": 2.0},
+    )  # fmt: skip
+    with caplog.at_level("INFO"):
+        fit_one_grpo_step(module, make_datamodule, batch_size=2)
+    chosen = module.sampler.copy
+    assert chosen is not None and chosen.dtype in ("float32", "bfloat16") and chosen.version == 0
+    said = [r.getMessage() for r in caplog.records if "merged_copy: auto" in r.getMessage()]
+    assert len(said) == 1 and f"from the {chosen.dtype} copy" in said[0] and "float32 " in said[0]
+
+
 def test_merged_copy_settings_are_checked():
+    assert Sampling(merged_copy="auto").merged_copy == "auto"
     with pytest.raises(SettingsError, match="model.sampling.merged_copy"):
         Sampling(merged_copy="float16")
     with pytest.raises(SettingsError, match="model.sampling.importance_sampling_cap"):

@@ -89,15 +89,18 @@ def test_bf16_on_a_cpu_with_bf16_is_kept(no_gpu, monkeypatch, capsys):
     assert config.trainer.precision == "bf16-mixed" and not _warnings(capsys)
 
 
+@pytest.mark.parametrize("choice", ["bfloat16", "auto"])
 @pytest.mark.parametrize("has_bf16", [False, True])
-def test_a_bf16_merged_copy_on_a_cpu_without_bf16_is_float32_with_one_warning(has_bf16, no_gpu, monkeypatch, capsys):
+def test_a_bf16_merged_copy_on_a_cpu_without_bf16_is_float32_with_one_warning(
+    has_bf16, choice, no_gpu, monkeypatch, capsys
+):
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: has_bf16)
     config = _config("cpu", "32-true")
-    config.model.sampling = Namespace(merged_copy="bfloat16")
+    config.model.sampling = Namespace(merged_copy=choice)
     settle(config, "fit")
-    assert config.model.sampling.merged_copy == ("bfloat16" if has_bf16 else "float32")
+    assert config.model.sampling.merged_copy == (choice if has_bf16 else "float32")
     lines = _warnings(capsys)
-    assert lines == [] if has_bf16 else lines[0].startswith("warning: model.sampling.merged_copy: bfloat16 needs")
+    assert lines == [] if has_bf16 else lines[0].startswith(f"warning: model.sampling.merged_copy: {choice} would")
 
 
 def test_a_merged_copy_under_fsdp_is_refused_with_what_to_change():
