@@ -2,18 +2,20 @@
 
     python benchmarks/gpu_check.py [--out benchmarks/results/gpu-check.jsonl]
 
-On one CUDA GPU, in under 9 minutes, it prints one JSON line per phase and appends them to `--out`:
+On one CUDA GPU, in under 10 minutes, it prints one JSON line per phase and appends them to `--out`:
 
 - `environment`: the GPU (name, count, memory, compute capability), torch, CUDA, vLLM (null when not installed),
   transformers, peft, Lightning, bf16 support, the GPU's nominal memory bandwidth (a table by name; else null).
 - `random_model`: a randomly initialised Llama-3.2-3B-shaped model (bf16) and a word-level tokenizer of its
   vocabulary written to a temporary folder (`harness.random_model_folder`), which the steps load as any model.
-- `grpo_step`, four lines: one GRPO step after one warm-up step, at 10 words, 4 prompts x 16 completions, with the
-  settings of configs/llama-3.2-3b.yaml (LoRA r=16, bf16-mixed), with the own sampler and with vLLM colocated, each
-  with gradient checkpointing on and off. `step_s` is the step's wall time; `rollout_s`, `reward_s` and `update_s`
-  are what the module logged of it; `tokens_per_s` counts completion tokens per second of the step,
-  `rollout_tokens_per_s` per second of the rollout; `peak_gpu_allocated_mb` / `peak_gpu_reserved_mb` are torch's
-  peaks and `gpu_used_mb` the whole device's use at the step's end (vLLM's included; asleep, it holds less).
+- `grpo_step`, four lines: one GRPO step after one warm-up step, 4 prompts x 16 completions, with the settings of
+  configs/llama-3.2-3b.yaml (LoRA r=16, bf16-mixed): at 10 words with the own sampler, gradient checkpointing on and
+  off, and with vLLM colocated, checkpointing on; and vLLM at 200 words (`words`: 200) with the curriculum's answer
+  budget there (`answer_budget(200)`, 1,208 tokens, what a byte-level BPE needs; the random model never stops, so
+  every answer runs to it), what the long stages will meet. `step_s` is the step's wall time; `rollout_s`,
+  `reward_s` and `update_s` are what the module logged of it; `tokens_per_s` counts completion tokens per second of
+  the step, `rollout_tokens_per_s` per second of the rollout; `peak_gpu_allocated_mb` / `peak_gpu_reserved_mb` are
+  torch's peaks and `gpu_used_mb` the whole device's use at the step's end (vLLM's included; asleep, it holds less).
   `hbm_bound_share` is `weight_bytes` (the policy's) x `decode_steps` / `rollout_s` over the nominal bandwidth: the
   share of the memory bound the rollout reached (KV-cache reads left out; with vLLM the rollout also holds the
   engine's wake-up and adapter load).
@@ -55,16 +57,17 @@ OUT = ROOT / "benchmarks" / "results" / "gpu-check.jsonl"
 REFUSAL = "error: no CUDA GPU: benchmarks/gpu_check.py measures a GPU; run it on a GPU machine (--cpu-smoke: a CPU run)"
 SHIPPED_NAME = "smollm2-135m-instruct"
 WORDS = 10
-TOTAL_S = 520  # the whole check on a GPU: under 9 minutes with a last phase killed past its grace
+TOTAL_S = 560  # the whole check on a GPU: under 10 minutes with a last phase killed past its grace
 GRACE_S = 15  # past its deadline a phase's process gets this long to write its line, then it is killed
 
-# Seconds of each phase on a GPU, process start included (sum 515). A phase that ends early leaves its rest to the
+# Seconds of each phase on a GPU, process start included (sum 555). A phase that ends early leaves its rest to the
 # ones after it. vLLM's first start compiles the model and captures CUDA graphs; its second reuses the compile cache.
 BUDGETS = {"environment": 25, "random_model": 60, "step-own-gc": 50, "step-own": 45, "step-vllm-gc": 145,
-           "step-vllm": 110, "smollm2_fit": 80}  # fmt: skip
+           "step-vllm-gc-200w": 150, "smollm2_fit": 80}  # fmt: skip
 # On a CPU (--cpu-smoke) every phase runs in one process; these only guard against a hang.
 SMOKE_BUDGETS = {"environment": 30, "random_model": 30, "step-own-gc": 45, "step-own": 45, "step-vllm-gc": 90,
-                 "step-vllm": 90, "smollm2_fit": 60}  # fmt: skip
+                 "step-vllm-gc-200w": 90, "smollm2_fit": 60}  # fmt: skip
+LONG_WORDS = {False: 200, True: 25}  # the long step's length on a GPU, and on a CPU smoke run (the tiny model)
 # vLLM's CPU engine as the project's tests run it: a small KV cache, no compilation
 SMOKE_VLLM = {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 1024, "enforce_eager": True}
 
@@ -170,8 +173,9 @@ def run_job(phases: list[str], until: float, smoke: bool, work: Path) -> list[di
 def identity(phase: str) -> dict:
     """What names a phase's line whatever became of it."""
     if phase.startswith("step-"):
-        engine = phase.split("-")[1]
-        return {"id": phase, "phase": "grpo_step", "engine": engine, "gradient_checkpointing": phase.endswith("-gc")}
+        engine, long = phase.split("-")[1], phase.endswith("w")
+        return {"id": phase, "phase": "grpo_step", "engine": engine, "gradient_checkpointing": "-gc" in phase,
+                "long": long}  # fmt: skip
     return {"id": phase, "phase": phase}
 
 
@@ -310,8 +314,9 @@ def config(name: str) -> dict:
     return yaml.safe_load((ROOT / "configs" / name).read_text())
 
 
-def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
-    """The phase of one GRPO step with this engine and gradient checkpointing."""
+def grpo_step(engine: str, checkpointing: bool, long: bool = False) -> Callable[[bool, Path], dict]:
+    """The phase of one GRPO step with this engine and gradient checkpointing, at 10 words, or `long` at
+    `LONG_WORDS` with the curriculum's answer budget there."""
 
     def phase(smoke: bool, work: Path) -> dict:
         import lightning as L
@@ -322,7 +327,8 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
             except Exception as err:  # an absent or broken vLLM is a fact of this machine, not a failure
                 return {"skipped": f"vLLM does not import here ({type(err).__name__}: {err})"[:300]}
         L.seed_everything(0, verbose=False)
-        module, data, settings = step_setup(smoke, work, engine, checkpointing)
+        words = LONG_WORDS[smoke] if long else WORDS
+        module, data, settings = step_setup(smoke, work, engine, checkpointing, words)
         steps = instrument(module)
         warmup = 0 if smoke else 1
         precision = "32-true" if smoke else settings["trainer"]["precision"]
@@ -338,7 +344,8 @@ def grpo_step(engine: str, checkpointing: bool) -> Callable[[bool, Path], dict]:
         bandwidth, tokens = nominal_bandwidth(gpu_name(smoke)), int(step["generated_tokens"])
         return {
             "model": step_model(smoke),
-            "words": WORDS,
+            "words": words,
+            "max_new_tokens": module.sampling.max_new_tokens,
             "prompts": data.batch_size,
             "generations": module.sampling.num_generations,
             "lora_r": settings["model"]["lora"]["r"],
@@ -374,9 +381,12 @@ def module_from(model: dict, **changes):
     return parser.instantiate_classes(parser.parse_object({"model": merged})).model
 
 
-def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
-    """The module and one-stage data as configs/llama-3.2-3b.yaml sets them (the tiny model on a CPU smoke run)."""
+def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool, words: int = WORDS):
+    """The module and one-stage data as configs/llama-3.2-3b.yaml sets them (the tiny model on a CPU smoke run); past
+    10 words the answer budget is the curriculum's held-out one (the random model's word-level tokenizer would give
+    a third of a byte-level BPE's)."""
     from interleave_data.datamodule import InterleaveDataModule
+    from interleave_model.generation.rollout import answer_budget
 
     settings = config("llama-3.2-3b.yaml")
     model, data = settings["model"], settings["data"]
@@ -386,11 +396,12 @@ def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool):
     prompts, generations = (2, 4) if smoke else (data["batch_size"], model["sampling"]["num_generations"])
     base = {"name_or_path": str(folder), "gradient_checkpointing": checkpointing}
     base |= {"dtype": "float32"} if smoke else {}
+    sampling = {"num_generations": generations, "max_new_tokens": None if words == WORDS else answer_budget(words)}
     module = module_from(
-        model, base=base, template=data["template"], sampling={"num_generations": generations},
+        model, base=base, template=data["template"], sampling=sampling,
         rollout_engine=engine, vllm=SMOKE_VLLM if smoke else {},
     )  # fmt: skip
-    datamodule = InterleaveDataModule(stages=[WORDS], train_pairs=64, val_pairs=0, test_pairs=0,
+    datamodule = InterleaveDataModule(stages=[words], train_pairs=64, val_pairs=0, test_pairs=0,
                                       template=data["template"], batch_size=prompts, cache_dir=str(work / "cache"),
                                       tokenizer=module.tokenizer)  # fmt: skip
     return module, datamodule, settings
@@ -460,7 +471,7 @@ PHASES = {
     "step-own-gc": grpo_step("own", True),
     "step-own": grpo_step("own", False),
     "step-vllm-gc": grpo_step("vllm", True),
-    "step-vllm": grpo_step("vllm", False),
+    "step-vllm-gc-200w": grpo_step("vllm", True, long=True),
     "smollm2_fit": smollm2_fit,
 }
 

@@ -55,10 +55,13 @@ def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
     environment = lines[0]
     assert environment["gpu"] is None and environment["torch"] == torch.__version__
     assert all(key in environment for key in ("cuda", "vllm", "bf16", "gpu_memory_gib"))
-    steps = {(line["engine"], line["gradient_checkpointing"]): line for line in lines[2:6]}
-    assert set(steps) == {(engine, gc) for engine in ("own", "vllm") for gc in (True, False)}
+    steps = {(line["engine"], line["gradient_checkpointing"], line["long"]): line for line in lines[2:6]}
+    assert set(steps) == {("own", True, False), ("own", False, False), ("vllm", True, False), ("vllm", True, True)}
+    long = steps["vllm", True, True]  # the long stage with the curriculum's held-out answer budget there
+    assert "skipped" in long or (long["words"], long["max_new_tokens"]) == (25, 3 * 2 * 25 + 8)
+    assert all(step["words"] == 10 for key, step in steps.items() if not key[2] and "skipped" not in step)
     vllm_imports = importlib.util.find_spec("vllm") is not None
-    for (engine, _), step in steps.items():
+    for (engine, *_), step in steps.items():
         if engine == "vllm" and not vllm_imports:
             assert "skipped" in step
             continue
