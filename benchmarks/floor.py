@@ -57,7 +57,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward")
     ours = parser.parse_args(argv)
     levers = (["--lora"] if ours.lora else []) + (["--bf16"] if ours.bf16 else [])
-    levers += ["--merged-copy", ours.merged_copy] if ours.merged_copy else []
+    levers += ["--merged-copy", ours.merged_copy or "none"]  # a floor needs the dtype: never grpo_step's auto
     levers += ["--micro-batch-size", str(ours.micro_batch_size)] if ours.micro_batch_size else []
     step = grpo_step.parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
                        "--prompts", str(ours.prompts), "--generations", str(ours.generations), "--beta",

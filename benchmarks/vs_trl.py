@@ -85,7 +85,7 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
         if args.rollout_engine == "vllm":
             extra += ["--kv-cache-mb", str(args.kv_cache_mb)]
         extra += ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
-        extra += ["--merged-copy", args.merged_copy] if args.merged_copy else []
+        extra += ["--merged-copy", args.merged_copy]
         return [sys.executable, str(HERE / "grpo_step.py"), *shared, *extra]
     return [sys.executable, str(HERE / "vs_trl.py"), "--trl-worker", str(workdir / f"prompts_{words}.jsonl"), *shared]
 
@@ -200,8 +200,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=0, help="LoRA rank in both (all linear layers); 0: all weights")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="completion budget; default: budget(words)")
     parser.add_argument("--pairs", type=int, default=64, help="training pairs per length")
-    parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
-                        help="ours: model.sampling.merged_copy")  # fmt: skip
+    parser.add_argument("--merged-copy", default="auto", choices=["auto", "float32", "bfloat16", "none"],
+                        help="ours: model.sampling.merged_copy (grpo_step.py's default: auto)")  # fmt: skip
     parser.add_argument("--bf16", action="store_true",
                         help="bf16 autocast in both: ours precision bf16-mixed, TRL's bf16=True")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="ours: model.rollout_engine")

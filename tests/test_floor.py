@@ -56,7 +56,7 @@ def test_each_phase_is_floored_in_the_dtype_it_runs_in_and_the_step_gets_the_lev
     assert (step.merged_copy, step.bf16, step.micro_batch_size) == ("bfloat16", True, 8)
     plain, plain_step = floor.parse([])
     assert floor.phase_dtypes(plain) == {"rollout": "float32", "update": "float32"}
-    assert (plain_step.merged_copy, plain_step.bf16) == (None, False)
+    assert (plain_step.merged_copy, plain_step.bf16) == ("none", False)  # from the policy, not a measured choice
     policy = torch.nn.Module()  # 10 + 3 weights of the base, 8 of an adapter
     policy.base, policy.bias = torch.nn.Parameter(torch.zeros(2, 5)), torch.nn.Parameter(torch.zeros(3))
     policy.lora_A = torch.nn.Parameter(torch.zeros(2, 4))
