@@ -159,3 +159,10 @@ def test_arm_overlays_parse_on_the_base_they_name(overlay, capsys):
     printed = yaml.safe_load(capsys.readouterr().out)
     overlaid = yaml.safe_load(overlay.read_text())
     assert printed["data"]["stages"] == overlaid["data"]["stages"]  # the overlay's own values win
+    # the curriculum they make together: per-stage lists as long as the overlay's stages (a fit would refuse them)
+    from interleave_data.curriculum import Curriculum, CurriculumSettings
+    from interleave_data.length_schedule import AdaptiveLength
+
+    data, settings = printed["data"], dict(printed["data"]["curriculum"])
+    settings["adaptive"] = settings["adaptive"] and AdaptiveLength(**settings["adaptive"])
+    Curriculum(data["stages"], data["replay_fraction"], CurriculumSettings(**settings), data["sft_steps"])
