@@ -361,9 +361,7 @@ class InterleaveGRPO(L.LightningModule):
             totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, supervised)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
-        advantages = advantages.abs()
-        advantages = grpo.masked_mean(advantages, mask) if advantages.dim() == 2 else advantages.mean()
-        stats["train/advantage_abs_mean"] = advantages.item()
+        stats["train/advantage_abs_mean"] = advantages.abs().mean().item()  # [N]: one advantage per completion
         stats["time/update_s"] = time.perf_counter() - started
         return stats
 
