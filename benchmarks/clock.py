@@ -87,8 +87,7 @@ class Clock(L.Callback):
         if trainer.sanity_checking:
             return
         logged = trainer.callback_metrics
-        scores = {k.removeprefix("val/alignment_"): round(float(v), 3) for k, v in logged.items()
-                  if k.startswith("val/alignment_")}  # fmt: skip
+        scores = held_out_scores(logged, digits=3)
         point = {"step": trainer.global_step, "s": round(self.seconds(), 1), "length": _length(trainer)} | scores
         if scores:  # how the first length's answers hold the two streams, and the score's standard error
             first = min(scores, key=lambda k: int(k.removesuffix("w")))
@@ -96,6 +95,12 @@ class Clock(L.Callback):
                       if f"val/{key}_{first}" in logged}  # fmt: skip
         self.curve.append(point)
         print(f"clock: {point}", file=sys.stderr, flush=True)
+
+
+def held_out_scores(logged: dict, digits: int) -> dict[str, float]:
+    """The last validation's alignment score at each length, `{"<N>w": score}`, from a trainer's logged metrics."""
+    return {k.removeprefix("val/alignment_"): round(float(v), digits) for k, v in logged.items()
+            if k.startswith("val/alignment_")}  # fmt: skip
 
 
 def batch_row(trainer, record) -> dict:

@@ -38,7 +38,7 @@ from pathlib import Path
 import harness
 import lightning as L
 import torch
-from clock import Clock, binned
+from clock import Clock, binned, held_out_scores
 from provenance import provenance
 
 from cli import main
@@ -92,9 +92,7 @@ def warm_start(overlay: str, configs: list[str], extra: list[str], seed: int, fo
         with tempfile.TemporaryDirectory() as runs:
             cli = main(["fit", *(a for f in files for a in ("--config", f)), *seeded(seed), *extra,
                         "--trainer.default_root_dir", runs], callbacks=[EndOfWarmStart()])  # fmt: skip
-            scores = {k.removeprefix("val/alignment_"): round(float(v), 4)
-                      for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/alignment_")}  # fmt: skip
-            reached = {"steps": cli.trainer.global_step, "held_out": scores}
+            reached = {"steps": cli.trainer.global_step, "held_out": held_out_scores(cli.trainer.callback_metrics, 4)}
             with replacing(path.with_suffix(".json")) as tmp:
                 tmp.write_text(json.dumps(reached))
             with replacing(path) as tmp:  # the checkpoint last: a kill leaves no warm start that looks whole
