@@ -294,12 +294,26 @@ def bare_flags(args: list[str], flags: tuple[str, ...] = ("--rehearse",)) -> lis
     return [f"{a}=true" if bare else a for a, bare in zip(args, alone, strict=True)]
 
 
+def user_error(err: BaseException) -> BaseException | None:
+    """The user's own mistake behind an exception, if any: the exception itself, or what caused it. The parser
+    reports a settings group that may be null (`model.lora`, `model.guidance`) as its own error, raised from the
+    group's one-line `SettingsError`."""
+    while err is not None:
+        if isinstance(err, USER_ERRORS):
+            return err
+        err = err.__cause__
+    return None
+
+
 def run(args: list[str] | None = None) -> int:
     """`main`, with the user's own mistakes reported as one `error:` line and exit status 2."""
     try:
         main(args)
-    except USER_ERRORS as err:
-        print(f"error: {err}", file=sys.stderr)
+    except Exception as err:
+        mistake = user_error(err)
+        if mistake is None:
+            raise
+        print(f"error: {mistake}", file=sys.stderr)
         return 2
     finally:
         # Lightning leaves a DDP run's process group up; torn down by the interpreter's exit instead, gloo's threads

@@ -33,7 +33,7 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
     from interleave_model.generation.vllm_engine import VllmSettings
     from interleave_model.model.policy import LoraSettings, TinyModelConfig
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, Loss, Optimization, Sampling
+    from interleave_model.settings import Base, Kl, Optimization, Sampling
 
     shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
                             intermediate_size=args.mlp)  # fmt: skip
@@ -50,7 +50,7 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
             merged_copy=None if args.merged_copy == "none" else args.merged_copy,
             importance_sampling_cap=None if args.merged_copy == "none" else 2.0,
         ),
-        loss=Loss(beta=args.beta),
+        kl=Kl(beta=args.beta),
         optimization=Optimization(learning_rate=1e-4, lr_schedule="constant", micro_batch_size=args.micro_batch_size),
     )
     data = InterleaveDataModule(stages=[words], train_pairs=args.pairs, val_pairs=0, test_pairs=0,

@@ -12,12 +12,15 @@ Two kinds of old name:
   still import them, and `old_paths` gives every old path to `torch.serialization`, so `torch.load(weights_only=True)`
   accepts each.
 - **Moved config keys.** `model.model_name_or_path`, `model.dtype`, `model.init_from`, ... are `model.base.*` now
-  (the `base` entries of `FLAT_NAMES`). A command line or config file that still names one is refused in one line
-  that names the new key (`check_moved_keys`, run by `cli.py` before parsing).
+  (the `base` entries of `FLAT_NAMES`), and the auxiliary terms' settings left `model.loss` for their own groups
+  (`model.loss.beta` is `model.kl.beta`, `model.loss.guidance` is `model.guidance.weight`, ...: `LOSS_MOVED`). A
+  command line or config file that still names one is refused in one line that names the new key
+  (`check_moved_keys`, run by `cli.py` before parsing).
 - **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
-  (`model_name_or_path`, `dtype`, `temperature`, `eval_num_samples`, ...). `grouped_hparams` moves each into its
-  group; `checkpoint_groups` reads a checkpoint's groups that way for `InterleaveGRPO.load_from_checkpoint`, and the
-  CLI's `checkpoint_hparams` hook calls `grouped_hparams`.
+  (`model_name_or_path`, `dtype`, `temperature`, `eval_num_samples`, ...), and until the auxiliary terms had their
+  groups, `loss` held theirs. `grouped_hparams` moves each into today's group; `checkpoint_groups` reads a checkpoint's
+  groups that way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook calls
+  `grouped_hparams`.
 
 `import interleave_model` runs this module and must stay light (no torch), so what needs the settings or torch
 imports them when first used. New code and docs use the new names.
@@ -113,6 +116,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
             "sample_lengths": ("evaluation", "sample_lengths"),
         }
         | {name: (cls.lower(), name) for cls, name in REMOVED}
+        | {name: ("loss", name) for name in LOSS_MOVED}
     )
 
 
@@ -125,6 +129,47 @@ def __getattr__(name: str) -> Any:
     if name == "FLAT_NAMES":
         return _flat_names()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# the auxiliary terms' settings that left `model.loss` for their own groups: old field -> (group, field); the
+# switches `guidance` (a weight, 0: off) and `reference_in_group` (a bool) became the groups' presence (null: off)
+LOSS_MOVED = {
+    "beta": ("kl", "beta"),
+    "kl_estimator": ("kl", "estimator"),
+    "guidance": ("guidance", "weight"),
+    "guidance_final": ("guidance", "final"),
+    "guidance_decay_steps": ("guidance", "decay_steps"),
+    "guidance_loss": ("guidance", "loss"),
+    "reference_in_group": ("reference_in_group", None),
+    "shaping_gamma": ("reference_in_group", "shaping_gamma"),
+}
+
+
+_REFERENCE = "reference_in_group"
+
+
+def _a_group(key: str, value: Any) -> bool:
+    """Whether a hyperparameter named like an old flat switch is today's group of that name (a dict, or None)."""
+    return key in {group for group, _ in LOSS_MOVED.values()} and (value is None or isinstance(value, dict))
+
+
+def _terms_out_of_loss(hparams: dict[str, Any]) -> dict[str, Any]:
+    """Grouped hyperparameters whose `loss` still holds the auxiliary terms' settings, with those in their groups:
+    `kl`, and `guidance` and `reference_in_group` where they were on (else None)."""
+    loss = hparams.get("loss")
+    if not isinstance(loss, dict) or not set(loss) & set(LOSS_MOVED):
+        return hparams
+    moved = {name: value for name, value in loss.items() if name in LOSS_MOVED}
+    out = dict(hparams) | {"loss": {name: value for name, value in loss.items() if name not in LOSS_MOVED}}
+    groups: dict[str, dict[str, Any]] = {"kl": {}, "guidance": {}, "reference_in_group": {}}
+    for name, value in moved.items():
+        group, field = LOSS_MOVED[name]
+        if field is not None:
+            groups[group][field] = value
+    on = {"kl": True, "guidance": (moved.get("guidance") or 0.0) > 0, "reference_in_group": moved.get(_REFERENCE)}
+    for group, values in groups.items():
+        out.setdefault(group, values if on[group] else None)
+    return out
 
 
 # settings that left their group, as older checkpoints name them: `(group class name, field) -> why`
@@ -163,16 +208,17 @@ def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
     from interleave_model.settings import GROUPS, field_values
 
     flat_names = _flat_names()
-    flat = {key: hparams[key] for key in flat_names if key in hparams}
+    # `guidance` and `reference_in_group` name a group now (a dict, or None: off) and were flat switches before
+    flat = {key: hparams[key] for key in flat_names if key in hparams and not _a_group(key, hparams[key])}
     if not flat:
-        return _without_removed(hparams)
+        return _without_removed(_terms_out_of_loss(hparams))
     out = {key: value for key, value in hparams.items() if key not in flat}
     for key, value in flat.items():
         group, name = flat_names[key]
         current = out.get(group)
         values = dict(current) if isinstance(current, dict) else field_values(GROUPS[group], current)
         out[group] = values | {name: value}
-    return _without_removed(out)
+    return _without_removed(_terms_out_of_loss(out))
 
 
 def stored_temperature(checkpoint: dict[str, Any]) -> float | None:
@@ -199,10 +245,10 @@ def configured_temperature(checkpoint: dict[str, Any]) -> float | None:
 def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
     """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
     from interleave_model.model.checkpoint import safe_load
-    from interleave_model.settings import GROUPS
+    from interleave_model.settings import GROUPS, TERMS
 
     hparams = safe_load(checkpoint_path, "load_from_checkpoint", mmap=True)["hyper_parameters"]
-    return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS}
+    return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS | TERMS}
 
 
 class MovedKeyError(ValueError):
@@ -210,8 +256,9 @@ class MovedKeyError(ValueError):
 
 
 def check_moved_keys(args: Iterable[str]) -> None:
-    """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved into `model.base`
-    (the flat names of its fields, `FLAT_NAMES`).
+    """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved: into `model.base`
+    (the flat names of its fields, `FLAT_NAMES`), or out of `model.loss` into an auxiliary term's group
+    (`LOSS_MOVED`).
 
     Raises:
         MovedKeyError: Naming the flag or the file, the old key and the new one.
@@ -219,6 +266,7 @@ def check_moved_keys(args: Iterable[str]) -> None:
     import yaml
 
     moved = {old: ".".join(new) for old, new in _flat_names().items() if new[0] == "base"}  # old key -> new key
+    moved |= {f"loss.{old}": ".".join(name for name in new if name) for old, new in LOSS_MOVED.items()}
     args = list(args)
     for i, arg in enumerate(args):
         key = arg.removeprefix("--model.").partition("=")[0]
@@ -235,6 +283,8 @@ def check_moved_keys(args: Iterable[str]) -> None:
             continue  # the CLI's parser reports a file it cannot read
         model = config.get("model") if isinstance(config, dict) else None
         model = model.get("init_args", model) if isinstance(model, dict) else None
-        for key in model or ():
+        keys = [key for key in model or ()]
+        keys += [f"loss.{name}" for name in ((model or {}).get("loss") or {}) if isinstance(model["loss"], dict)]
+        for key in keys:
             if key in moved:
                 raise MovedKeyError(f"{path}: model.{key} is now model.{moved[key]}")

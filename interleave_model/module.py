@@ -1,4 +1,5 @@
-"""The LightningModule: a GRPO step is rollout -> rewards -> advantages -> clipped loss with KL to a reference."""
+"""The LightningModule: a GRPO step is rollout -> rewards -> advantages -> clipped policy loss, then the auxiliary
+terms (KL to the reference, the reference in the group, guidance); the supervised warm start is one path beside it."""
 
 from __future__ import annotations
 
@@ -23,14 +24,11 @@ from interleave_model.algorithm.completions import (
     row_chunks,
 )
 from interleave_model.algorithm.dynamic_sampling import refill
-from interleave_model.algorithm.guidance import (
-    guidance_weight,
-    mixed_group_advantages,
-    phi_sft_loss,
-    shaped_reference_loss,
-)
+from interleave_model.algorithm.guidance import guidance_weight, supervised_loss
+from interleave_model.algorithm.kl import kl_loss
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
+from interleave_model.algorithm.reference_in_group import mixed_group_advantages, samples_share, shaped_reference_loss
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
@@ -54,18 +52,22 @@ from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
 from interleave_model.settings import (
     GROUPS,
+    TERMS,
     Base,
     DynamicSampling,
     Evaluation,
+    Guidance,
+    Kl,
     LoraSettings,
     Loss,
     Optimization,
+    ReferenceInGroup,
     Sampling,
-    SettingsError,
     TinyModelConfig,
     VllmSettings,
     as_group,
     check_groups,
+    optional_group,
     typed,
 )
 
@@ -93,8 +95,12 @@ class InterleaveGRPO(L.LightningModule):
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
         sampling: How the training rollout samples: num_generations (G), temperature, top_p, top_k, max_new_tokens,
             budget_margin (`settings.Sampling`).
-        loss: The GRPO objective: beta, kl_estimator, epsilon, epsilon_high, num_iterations, loss_type,
-            max_completion_length, scale_rewards, advantage_estimator (`settings.Loss`).
+        loss: The clipped policy loss: epsilon, epsilon_high, num_iterations, loss_type, max_completion_length,
+            scale_rewards, advantage_estimator, advantage_sign (`settings.Loss`).
+        kl: The KL term to the reference: beta, estimator (`settings.Kl`); beta 0 skips the reference.
+        guidance: CHORD's supervised term on the known answers (`settings.Guidance`); None (default) = off.
+        reference_in_group: LUFFY's known answer as one more group member (`settings.ReferenceInGroup`); None
+            (default) = off.
         rewards: Reward functions with weights; the alignment score alone by default.
         optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, max_grad_norm,
             micro_batch_size (`settings.Optimization`); the phases are the data's (`phases`).
@@ -116,6 +122,9 @@ class InterleaveGRPO(L.LightningModule):
         seed: int = 0,
         sampling: Sampling = Sampling(),
         loss: Loss = Loss(),
+        kl: Kl = Kl(),
+        guidance: Guidance | None = None,
+        reference_in_group: ReferenceInGroup | None = None,
         rewards: list[RewardFunction] | None = None,
         optimization: Optimization = Optimization(),
         dynamic_sampling: DynamicSampling | None = None,
@@ -127,12 +136,16 @@ class InterleaveGRPO(L.LightningModule):
         # fresh copies (the defaults are shared); a checkpoint's are dicts
         base, sampling, loss = as_group(Base, base), as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
-        check_groups(sampling, loss)
+        self.kl, self.guidance = as_group(Kl, kl), optional_group(Guidance, guidance)
+        self.reference_in_group = optional_group(ReferenceInGroup, reference_in_group)
+        self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
+        check_groups(sampling, loss, self.reference_in_group, self.dynamic_sampling)
         self.save_hyperparameters(ignore=["rewards"])
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
         self.base, self.sampling, self.loss = base, sampling, loss
         self.optimization, self.evaluation = optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
+        self.hparams.update({name: getattr(self, name) and asdict(getattr(self, name)) for name in TERMS})
         # the rollout temperature now, its one stored value: the configured one until the curriculum's
         # raise_temperature response changes it (`CurriculumCallback._apply`, the one place that does); checkpointed
         # here, so a resumed run samples as the interrupted one did, unless its command asks for another
@@ -142,9 +155,6 @@ class InterleaveGRPO(L.LightningModule):
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
         # load_from_checkpoint passes these back as the dicts hparams hold
         tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
-        self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
-        if self.loss.reference_in_group and self.dynamic_sampling is not None:
-            raise SettingsError("model.loss.reference_in_group needs model.dynamic_sampling off: refills change groups")
         # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
         # checkpoint names the model, not this machine's cache
         self.model_path = resolve_model(base.name_or_path)
@@ -278,7 +288,7 @@ class InterleaveGRPO(L.LightningModule):
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
         scaling = loss.scale_rewards, loss.advantage_estimator
         reference = None
-        if loss.reference_in_group:  # LUFFY: each group's known answer is one more member, scored with the samples
+        if self.reference_in_group is not None:  # LUFFY: each group's known answer is one more member, scored with them
             advantages, reference = mixed_group_advantages(rewards, self._reference_rewards(batch), G, *scaling)
         else:
             advantages = grpo.group_advantages(rewards, G, *scaling)  # [P*G]
@@ -290,7 +300,7 @@ class InterleaveGRPO(L.LightningModule):
         with torch.no_grad():
             # with one update per rollout the old policy is the current one: grpo_step uses its own detached log-probs
             old = self._logprobs(self.policy, *sequences) if loss.num_iterations > 1 else None
-            ref = self._reference_logprobs(*sequences) if loss.beta > 0 else None
+            ref = self._reference_logprobs(*sequences) if self.kl.beta > 0 else None
         fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
         trajectory = Trajectory(*fixed, reference_advantages=reference)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
@@ -299,11 +309,16 @@ class InterleaveGRPO(L.LightningModule):
         return trajectory, stats
 
     def grpo_step(self, trajectory: Trajectory, batch: dict) -> dict[str, float]:
-        """One clipped policy-gradient update on a trajectory, in micro-batches of rows; with `loss.guidance`, mixed
-        with a supervised term on the batch's targets (`algorithm/guidance.py`)."""
-        loss, temperature, G = self.loss, self.temperature, self.sampling.num_generations
+        """One update on a trajectory: the clipped policy loss and the KL term, in micro-batches of rows; then the
+        terms on the known answers, the reference in the group and guidance.
+
+        Their weights: guidance takes mu of the whole, ``(1 - mu) * GRPO + mu * supervised`` (CHORD); within GRPO's
+        share, the reference member takes ``1 / (G + 1)`` and the samples the rest (LUFFY).
+        """
+        loss, kl, temperature, G = self.loss, self.kl, self.temperature, self.sampling.num_generations
         started = time.perf_counter()
         mu = self._guidance_weight()
+        grpo_weight = (1.0 - mu) * (1.0 if self.reference_in_group is None else samples_share(G))
         cap = self.sampler.importance_sampling_cap(trajectory.rollout)  # an engine's samples, corrected: TIS
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
@@ -311,13 +326,16 @@ class InterleaveGRPO(L.LightningModule):
         num_tokens = None
         if loss.loss_type == "dapo":  # the tokens of every rank; DDP then averages the ranks' gradients
             num_tokens = self._sum_over_ranks(mask.sum()).clamp(min=1.0).item() / self.trainer.world_size
-        totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        max_completion_length = loss.max_completion_length or self.sampling.max_new_tokens
+        aggregation = {"loss_type": loss.loss_type, "max_completion_length": max_completion_length,
+                       "num_tokens": num_tokens}  # fmt: skip
+        totals: dict[str, float] = {"loss": 0.0, "pg_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
+        if trajectory.ref_logprobs is not None:
+            totals["kl"] = 0.0
         engine_logprobs = trajectory.rollout.logprobs  # [N, C], the sampling engine's, when it records them
         if engine_logprobs is not None:  # how far its numerics are from the trainer's (the off-policy gap)
             totals["engine_logprob_gap"] = 0.0
         advantages = grpo.signed_advantages(trajectory.advantages, loss.advantage_sign)  # [N]
-        reference = trajectory.reference_advantages  # [P], with the known answer as one more group member
-        samples_share = 1.0 if reference is None else G / (G + 1)
         optimizer = self.optimizers()
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
@@ -325,40 +343,34 @@ class InterleaveGRPO(L.LightningModule):
             logprobs, entropy = completion_logprobs(self.policy, ids, attention, trajectory.completion_ids[rows],
                                                     temperature, with_entropy=True, group_size=G)  # fmt: skip
             old = trajectory.old_logprobs[rows] if trajectory.old_logprobs is not None else logprobs.detach()
-            ref = trajectory.ref_logprobs[rows] if trajectory.ref_logprobs is not None else None
-            out = grpo.policy_loss(
-                logprobs, old, advantages[rows], mask[rows], epsilon=loss.epsilon,
-                epsilon_high=loss.epsilon_high, ref_logprobs=ref, beta=loss.beta, kl_estimator=loss.kl_estimator,
-                loss_type=loss.loss_type, num_tokens=num_tokens,
-                max_completion_length=loss.max_completion_length or self.sampling.max_new_tokens,
-                importance_weights=None if cap is None else
-                grpo.truncated_importance_weights(old, engine_logprobs[rows], cap),
-            )  # fmt: skip
+            weights = None if cap is None else grpo.truncated_importance_weights(old, engine_logprobs[rows], cap)
+            out = grpo.policy_loss(logprobs, old, advantages[rows], mask[rows], loss.epsilon, loss.epsilon_high,
+                                   importance_weights=weights, **aggregation)  # fmt: skip
+            term = out.loss
             # each chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides
             # by the batch's token count already); the per-token statistics are token-weighted whatever the loss type
             token_share = (mask[rows].sum() / total_tokens).item()
             share = 1.0 if loss.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
-            self.manual_backward(out.loss * share * samples_share * (1.0 - mu))
+            if trajectory.ref_logprobs is not None:  # the KL term, on the same log-probs
+                penalty = kl_loss(logprobs, trajectory.ref_logprobs[rows], mask[rows], kl.estimator, **aggregation)
+                term = term + kl.beta * penalty.loss
+                totals["kl"] += penalty.kl.item() * token_share
+            self.manual_backward(term * share * grpo_weight)
+            totals["loss"] += term.item() * share * grpo_weight
+            totals["pg_loss"] += out.loss.item() * share
             entropy = grpo.masked_mean(entropy, mask[rows])
-            totals["loss"] += out.loss.item() * share * samples_share * (1.0 - mu)
-            totals["pg_loss"] += out.pg_loss.item() * share
-            for key, value in (("kl", out.kl), ("clip_frac", out.clip_frac), ("entropy", entropy)):
+            for key, value in (("clip_frac", out.clip_frac), ("entropy", entropy)):
                 totals[key] += value.item() * token_share
             if engine_logprobs is not None:  # `old` is the trainer's log-probs of the weights that sampled
                 gap = grpo.masked_mean((old - engine_logprobs[rows]).abs(), mask[rows])
                 totals["engine_logprob_gap"] += gap.item() * token_share
-        if reference is not None:
-
-            def shaped(logits: Tensor, labels: Tensor, advantages: Tensor) -> Tensor:  # at the rollout's temperature
-                return shaped_reference_loss(logits / temperature, labels, advantages, loss.shaping_gamma)
-
-            weight = (1.0 - samples_share) * (1.0 - mu)
-            totals["reference_loss"] = self._target_backward(batch, weight, shaped, per_row=reference)
+        if self.reference_in_group is not None:
+            weight = (1.0 - mu) * (1.0 - samples_share(G))
+            totals |= self._reference_member_backward(batch, trajectory.reference_advantages, weight)
             totals["loss"] += totals["reference_loss"] * weight
-            totals["reference_advantage"] = reference.mean().item()
         if mu > 0:
-            supervised = phi_sft_loss if loss.guidance_loss == "phi" else grpo.sft_loss  # CHORD-phi, CHORD-mu
-            totals["guidance"], totals["guidance_loss"] = mu, self._target_backward(batch, mu, supervised)
+            totals["guidance"] = mu
+            totals["guidance_loss"] = self._target_backward(batch, mu, supervised_loss(self.guidance.loss))
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         stats["train/advantage_abs_mean"] = advantages.abs().mean().item()  # [N]: one advantage per completion
@@ -376,10 +388,22 @@ class InterleaveGRPO(L.LightningModule):
     # ---------------------------------------------------------------- pieces
 
     def _guidance_weight(self) -> float:
-        """The guidance weight mu at this GRPO step (0 unless `loss.guidance`)."""
-        loss = self.loss
-        steps = self.global_step - self.grpo_start
-        return guidance_weight(steps, loss.guidance, loss.guidance_final, loss.guidance_decay_steps)
+        """The guidance weight mu at this GRPO step (0 without `model.guidance`)."""
+        if self.guidance is None:
+            return 0.0
+        steps, g = self.global_step - self.grpo_start, self.guidance
+        return guidance_weight(steps, g.weight, g.final, g.decay_steps)
+
+    def _reference_member_backward(self, batch: dict, advantages: Tensor, weight: float) -> dict[str, float]:
+        """Backward of `weight` times LUFFY's shaped loss on each prompt's known answer, whose advantage in its group
+        is `advantages` ([P]); what it logs."""
+        gamma, temperature = self.reference_in_group.shaping_gamma, self.temperature
+
+        def shaped(logits: Tensor, labels: Tensor, per_row: Tensor) -> Tensor:  # at the rollout's temperature
+            return shaped_reference_loss(logits / temperature, labels, per_row, gamma)
+
+        value = self._target_backward(batch, weight, shaped, per_row=advantages)
+        return {"reference_loss": value, "reference_advantage": advantages.mean().item()}
 
     def _target_backward(
         self, batch: dict, weight: float, loss_of: Callable[..., Tensor], per_row: Tensor | None = None
@@ -448,7 +472,7 @@ class InterleaveGRPO(L.LightningModule):
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
 
     def _reference_rewards(self, batch: dict) -> Tensor:
-        """The reward each prompt's known answer earns, as its group's reference member (`loss.reference_in_group`)."""
+        """The reward each prompt's known answer earns, as its group's reference member (`model.reference_in_group`)."""
         targets = batch["targets"]
         fields = {name: batch[name] for name in FIELDS if name in batch}
         rewards, _ = combine(self.reward_functions, targets, targets, [False] * len(targets), **fields)

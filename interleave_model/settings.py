@@ -7,7 +7,10 @@ here, and this module imports nothing of the project.
 model:
   base:              {name_or_path: tiny, dtype: null, gradient_checkpointing: false, init_from: null, ...}
   sampling:          {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
-  loss:              {beta: 0.04, kl_estimator: k3, epsilon: 0.2, loss_type: grpo, scale_rewards: group, ...}
+  loss:              {epsilon: 0.2, epsilon_high: null, loss_type: grpo, scale_rewards: group, ...}
+  kl:                {beta: 0.04, estimator: k3}
+  guidance:          {weight: 0.5, final: 0.0, decay_steps: 0, loss: phi}                            # null: off
+  reference_in_group: {shaping_gamma: 0.1}                                                           # null: off
   optimization:      {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
   evaluation:        {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
   tiny:              {hidden_size: 128, num_layers: 2, num_heads: 4, intermediate_size: 256, ...}
@@ -18,7 +21,10 @@ model:
 
 - `Base` (`model.base`): the model trained and how it is loaded; the module hands it to `model/policy.py`.
 - `Sampling` (`model.sampling`): how the training rollout samples; read by `generation/sampler.py` and the module.
-- `Loss` (`model.loss`): the GRPO objective; the module hands it to `algorithm/grpo.py`'s functions.
+- `Loss` (`model.loss`): GRPO's advantages and clipped policy loss; the module hands it to `algorithm/grpo.py`.
+- `Kl` (`model.kl`), `Guidance` (`model.guidance`), `ReferenceInGroup` (`model.reference_in_group`): the auxiliary
+  terms of the loss, each read by its own part (`algorithm/kl.py`, `algorithm/guidance.py`,
+  `algorithm/reference_in_group.py`).
 - `Optimization` (`model.optimization`): the optimizer and `algorithm/schedule.py`'s learning rate.
 - `Evaluation` (`model.evaluation`): how validation, test and predict answer; read by `evaluation/evaluator.py`.
 - `TinyModelConfig` (`model.tiny`): the embedded tiny model's shape; read by `model/policy.py`.
@@ -28,8 +34,9 @@ model:
 
 The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`,
 `GuidanceLoss`, `LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups
-existed hold the first five flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...);
-`legacy.grouped_hparams` puts them into their groups. The classes also stay importable from the modules that held
+existed hold them flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and older ones hold the
+auxiliary terms' settings in `loss` (`beta`, `guidance`, `reference_in_group`, ...); `legacy.grouped_hparams` puts
+them into today's groups. The classes also stay importable from the modules that held
 them before (`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
 """
 
@@ -149,12 +156,10 @@ class Sampling:
 
 @dataclass
 class Loss:
-    """The GRPO objective (`model.loss`).
+    """The clipped policy loss of GRPO (`model.loss`); the auxiliary terms have their own groups (`Kl`, `Guidance`,
+    `ReferenceInGroup`).
 
     Args:
-        beta: KL coefficient; 0 skips the reference forward entirely.
-        kl_estimator: "k1", "k2" or "k3". As a loss term k1's expected gradient is zero (see `grpo.kl_divergence`),
-            so `beta > 0` with k1 warns.
         epsilon: Lower clip of the ratio (1 - epsilon).
         epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
         num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
@@ -168,22 +173,8 @@ class Loss:
         advantage_sign: "both" (GRPO); "positive" keeps only the completions above their baseline (positive sample
             reinforcement, PSR), "negative" only those below it (negative sample reinforcement, NSR; Zhu et al.,
             arXiv 2506.01347): the others get advantage 0.
-        guidance: Weight mu of the reference guidance at GRPO's start: the loss is ``(1 - mu) * GRPO + mu *`` a
-            supervised term on the known targets (CHORD-phi, `algorithm/guidance.py`). 0 (default): pure GRPO, no
-            target token in any gradient.
-        guidance_final: mu after `guidance_decay_steps` GRPO steps.
-        guidance_decay_steps: GRPO steps of mu's cosine decay from `guidance` to `guidance_final`; 0 keeps `guidance`.
-        guidance_loss: The supervised term: "phi" (default), each target token's cross-entropy weighted by ``p * (1 -
-            p)`` (CHORD-phi); "ce", the plain cross-entropy of the warm start (CHORD-mu).
-        reference_in_group: The known answer joins each group as one more member with its reward, and its tokens are
-            learned through policy shaping (LUFFY, `algorithm/guidance.py`); the loss is ``G / (G + 1)`` of GRPO's on
-            the samples plus ``1 / (G + 1)`` of the reference's. False (default): pure GRPO. Needs
-            `scale_rewards` `group` or `none`, and no dynamic sampling.
-        shaping_gamma: gamma of the shaping ``p / (p + gamma)`` on the reference's tokens, > 0.
     """
 
-    beta: float = 0.04
-    kl_estimator: KlEstimator = "k3"
     epsilon: float = 0.2
     epsilon_high: float | None = None
     num_iterations: int = 1
@@ -192,33 +183,83 @@ class Loss:
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
     advantage_sign: AdvantageSign = "both"
-    guidance: float = 0.0
-    guidance_final: float = 0.0
-    guidance_decay_steps: int = 0
-    guidance_loss: GuidanceLoss = "phi"
-    reference_in_group: bool = False
-    shaping_gamma: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.shaping_gamma <= 0:
-            raise SettingsError(f"model.loss.shaping_gamma must be > 0, got {self.shaping_gamma}")
-        if self.reference_in_group and self.scale_rewards == "batch":
-            raise SettingsError(
-                "model.loss.reference_in_group scores each group with its reference: it needs scale_rewards group or "
-                f"none, got {self.scale_rewards}"
-            )
-        for name in ("guidance", "guidance_final"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise SettingsError(f"model.loss.{name} must be in [0, 1], got {getattr(self, name)}")
         if self.max_completion_length is not None and self.max_completion_length < 1:
             raise SettingsError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
         if self.num_iterations < 1:
             raise SettingsError(f"model.loss.num_iterations must be >= 1, got {self.num_iterations}")
-        if self.kl_estimator == "k1" and self.beta > 0:
+
+
+@dataclass
+class Kl:
+    """The KL term to the frozen reference (`model.kl`, `algorithm/kl.py`): `beta` times the KL estimate of each
+    completion token, aggregated as the policy loss aggregates its tokens (TRL's `beta`).
+
+    Args:
+        beta: The coefficient; 0 skips the reference's forward entirely.
+        estimator: "k1", "k2" or "k3" (`kl.kl_divergence`). As a loss term k1's expected gradient is zero, so
+            `beta > 0` with k1 warns.
+    """
+
+    beta: float = 0.04
+    estimator: KlEstimator = "k3"
+
+    def __post_init__(self) -> None:
+        if self.beta < 0:
+            raise SettingsError(f"model.kl.beta must be >= 0, got {self.beta}")
+        if self.estimator == "k1" and self.beta > 0:
             rank_zero_warn(
-                "model.loss.kl_estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises "
-                "nothing; use k3 (or k2)"
+                "model.kl.estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
+                "use k3 (or k2)"
             )
+
+
+@dataclass
+class Guidance:
+    """Reference guidance, CHORD (`model.guidance`, `algorithm/guidance.py`); null (the default) is pure GRPO, with
+    no target token in any gradient. The loss is ``(1 - mu) * GRPO + mu *`` a supervised term on the known targets.
+
+    Args:
+        weight: mu at GRPO's start, in (0, 1].
+        final: mu after `decay_steps` GRPO steps, in [0, 1].
+        decay_steps: GRPO steps of mu's cosine decay from `weight` to `final`; 0 keeps `weight`.
+        loss: The supervised term: "phi", each target token's cross-entropy weighted by ``p * (1 - p)`` (CHORD-phi);
+            "ce", the plain cross-entropy of the warm start (CHORD-mu).
+    """
+
+    weight: float = 0.5
+    final: float = 0.0
+    decay_steps: int = 0
+    loss: GuidanceLoss = "phi"
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.weight <= 1.0:
+            raise SettingsError(f"model.guidance.weight must be in (0, 1] (null turns guidance off), got {self.weight}")
+        if not 0.0 <= self.final <= 1.0:
+            raise SettingsError(f"model.guidance.final must be in [0, 1], got {self.final}")
+        if self.decay_steps < 0:
+            raise SettingsError(f"model.guidance.decay_steps must be >= 0, got {self.decay_steps}")
+
+
+@dataclass
+class ReferenceInGroup:
+    """The known answer as one more member of each group, LUFFY (`model.reference_in_group`,
+    `algorithm/reference_in_group.py`); null (the default) is pure GRPO.
+
+    The member is scored with the samples, and its tokens are learned through policy shaping: the loss is
+    ``G / (G + 1)`` of GRPO's on the samples plus ``1 / (G + 1)`` of the reference's. Needs `loss.scale_rewards`
+    `group` or `none`, and no dynamic sampling.
+
+    Args:
+        shaping_gamma: gamma of the shaping ``p / (p + gamma)`` on the reference's tokens, > 0 (LUFFY's 0.1).
+    """
+
+    shaping_gamma: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.shaping_gamma <= 0:
+            raise SettingsError(f"model.reference_in_group.shaping_gamma must be > 0, got {self.shaping_gamma}")
 
 
 @dataclass
@@ -342,6 +383,14 @@ class LoraSettings:
     target_modules: list[str] | str = ALL_LINEAR
     top_layers: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise SettingsError(f"model.lora.r must be >= 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SettingsError(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
+        if self.top_layers is not None and self.top_layers < 1:
+            raise SettingsError(f"model.lora.top_layers must be null or >= 1, got {self.top_layers}")
+
 
 @dataclass
 class DynamicSampling:
@@ -361,7 +410,7 @@ class DynamicSampling:
 
     def __post_init__(self):
         if self.max_rounds < 0:
-            raise SettingsError(f"dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
+            raise SettingsError(f"model.dynamic_sampling.max_rounds must be >= 0, got {self.max_rounds}")
 
 
 @dataclass
@@ -404,18 +453,42 @@ GROUPS: dict[str, type] = {
     "base": Base,
     "sampling": Sampling,
     "loss": Loss,
+    "kl": Kl,
     "optimization": Optimization,
     "evaluation": Evaluation,
 }
 
+# the auxiliary terms a run may leave out (null: off); kept in the hparams as plain dicts, or None
+TERMS: dict[str, type] = {
+    "guidance": Guidance,
+    "reference_in_group": ReferenceInGroup,
+}
 
-def check_groups(sampling: Sampling, loss: Loss) -> None:
+
+def check_groups(
+    sampling: Sampling,
+    loss: Loss,
+    reference_in_group: ReferenceInGroup | None = None,
+    dynamic_sampling: DynamicSampling | None = None,
+) -> None:
     """Refuse settings that do not fit together across groups."""
     if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
         raise SettingsError(
             "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
             "(or a fixed model.sampling.max_new_tokens)"
         )
+    if reference_in_group is not None and loss.scale_rewards == "batch":
+        raise SettingsError(
+            "model.reference_in_group scores each group with its reference: it needs model.loss.scale_rewards group "
+            "or none, got batch"
+        )
+    if reference_in_group is not None and dynamic_sampling is not None:
+        raise SettingsError("model.reference_in_group needs model.dynamic_sampling off: refills change groups")
+
+
+def optional_group(cls: type, value: Any) -> Any:
+    """An optional group's settings as a fresh instance of `cls` (from an instance or a checkpoint's dict), or None."""
+    return None if value is None else as_group(cls, value)
 
 
 def typed(cls: type, value: Any) -> Any:

@@ -111,12 +111,19 @@ def family(request, family_folders) -> tuple[str, Path]:
 
 def flat_settings(hparams: dict) -> dict:
     """A checkpoint's grouped hyperparameters written as the code before the groups wrote them (git 35e5889)."""
-    from interleave_model.legacy import FLAT_NAMES
-    from interleave_model.settings import GROUPS
+    from interleave_model.legacy import FLAT_NAMES, LOSS_MOVED
+    from interleave_model.settings import GROUPS, TERMS
 
-    flat = {key: value for key, value in hparams.items() if key not in GROUPS}
+    flat = {key: value for key, value in hparams.items() if key not in GROUPS | TERMS}
     for old, (group, name) in FLAT_NAMES.items():
-        if name in hparams[group]:  # a setting removed since has no value to write
+        if old in LOSS_MOVED:  # an auxiliary term's setting, flat as `loss` held it: its switch, or its value if on
+            group, name = LOSS_MOVED[old]
+            term = hparams[group]
+            if name is None or (old == "guidance" and term is None):
+                flat[old] = term is not None if name is None else 0.0
+            elif term is not None:
+                flat[old] = term[name]
+        elif name in hparams[group]:  # a setting removed since has no value to write
             flat[old] = hparams[group][name]
     return flat
 

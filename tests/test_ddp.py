@@ -21,7 +21,7 @@ from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import Rollout
 from interleave_model.model.policy import TinyModelConfig
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import Loss, Optimization, Sampling
+from interleave_model.settings import Kl, Loss, Optimization, Sampling
 from tests.conftest import TINY_CONFIG, TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,7 +184,7 @@ def _collate(items: list[int]) -> dict:
 def _train_one_step(record_dir: Path, devices: int) -> tuple[ScriptedGRPO, list[dict], list[dict]]:
     module = ScriptedGRPO(
         tiny=TinyModelConfig(**TINY_SHAPE), template="compact", rewards=[ScriptedReward()],
-        sampling=Sampling(num_generations=2), loss=Loss(beta=0.0, loss_type="dapo", scale_rewards="batch"),
+        sampling=Sampling(num_generations=2), loss=Loss(loss_type="dapo", scale_rewards="batch"), kl=Kl(beta=0.0),
         optimization=Optimization(learning_rate=0.5, lr_schedule="constant", max_grad_norm=0),
     )  # fmt: skip
     module.record_dir = str(record_dir)

@@ -1,13 +1,11 @@
-"""GRPO math as pure tensor functions: advantages, KL estimators, the policy loss and the SFT loss.
+"""GRPO math as pure tensor functions: advantages, the clipped policy loss, its aggregation and the SFT loss.
 
 Shapes: ``B`` prompts, ``G`` completions per prompt (``num_generations``), ``N = B*G`` sequences, ``L`` completion
 tokens, ``V`` vocabulary. Rewards and sequences are ordered group-major: prompt 0's ``G`` completions come first.
 Names follow TRL's ``GRPOTrainer`` where they mean the same thing (``num_generations``, ``scale_rewards``,
-``epsilon``, ``epsilon_high``, ``beta``, ``loss_type``, ``max_completion_length``).
-
-KL estimators in the loss: ``k1`` estimates KL(pi || ref) without bias but, as a loss term on tokens sampled from
-pi, its expected gradient is zero (it is the score function's mean), so ``beta * k1`` regularises nothing; ``k3``
-(TRL's) and ``k2`` have gradients that pull pi toward the reference. ``k1`` remains useful as a measurement.
+``epsilon``, ``epsilon_high``, ``loss_type``, ``max_completion_length``). The KL term to the reference is its own
+part (`algorithm/kl.py`), aggregated by the same `aggregate`: TRL adds ``beta * KL`` to each token's loss before
+aggregating, and every aggregation here is linear, so the two are the same loss.
 """
 
 from __future__ import annotations
@@ -18,12 +16,11 @@ import torch
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import token_logprobs
-from interleave_model.settings import AdvantageEstimator, AdvantageSign, KlEstimator, LossType, ScaleRewards
+from interleave_model.settings import AdvantageEstimator, AdvantageSign, LossType, ScaleRewards
 
 SCALE_REWARDS = get_args(ScaleRewards)
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
 ADVANTAGE_SIGNS = get_args(AdvantageSign)
-KL_ESTIMATORS = get_args(KlEstimator)
 LOSS_TYPES = get_args(LossType)
 
 
@@ -31,16 +28,12 @@ class LossOutput(NamedTuple):
     """Policy loss and its diagnostics. All fields are scalars; all but ``loss`` are detached.
 
     Attributes:
-        loss: The differentiable objective to minimise (policy-gradient term plus ``beta`` times KL).
-        pg_loss: The clipped policy-gradient term alone, aggregated like ``loss``.
-        kl: Mean per-token KL(policy || reference) over masked tokens; 0 when no reference is given.
+        loss: The differentiable objective to minimise: the clipped policy-gradient term, aggregated.
         clip_frac: Share of masked tokens whose clipped term was active (the gradient through them is zero).
         ratio_mean: Mean importance ratio ``pi / pi_old`` over masked tokens (1 on the first pass over a rollout).
     """
 
     loss: Tensor
-    pg_loss: Tensor
-    kl: Tensor
     clip_frac: Tensor
     ratio_mean: Tensor
 
@@ -158,35 +151,44 @@ def signed_advantages(advantages: Tensor, sign: AdvantageSign = "both") -> Tenso
     return advantages
 
 
-def kl_divergence(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k3") -> Tensor:
-    """Per-token estimate of KL(pi || ref) from tokens sampled from pi (Schulman, "Approximating KL divergence").
+def check_aggregation(
+    loss_type: LossType, max_completion_length: int | None = None, num_tokens: float | None = None
+) -> None:
+    """Refuse an aggregation :func:`aggregate` cannot do. Raises ValueError, naming the argument."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
+    if max_completion_length is not None and max_completion_length < 1:
+        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
+    if num_tokens is not None and num_tokens <= 0:
+        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
 
-    With ``log_ratio = ref_logprobs - logprobs``: ``k1 = -log_ratio`` (unbiased, can be negative),
-    ``k2 = 0.5 * log_ratio**2`` (biased, >= 0), ``k3 = exp(log_ratio) - log_ratio - 1`` (unbiased, >= 0; TRL's).
 
-    Unbiased as values, not as gradients: differentiated through ``logprobs`` on tokens sampled from pi, k1's
-    expected gradient is ``sum_x pi(x) grad log pi(x) = grad sum_x pi(x) = 0``, so k1 as a loss term pulls nothing
-    toward the reference. k3's expected gradient with respect to the logits is ``pi - ref``, k2's that of
-    KL(pi || ref).
+def aggregate(
+    values: Tensor,
+    mask: Tensor,
+    loss_type: LossType = "grpo",
+    max_completion_length: int | None = None,
+    num_tokens: float | None = None,
+) -> Tensor:
+    """A per-token loss as one scalar, by ``loss_type`` (TRL's names). [N, L], [N, L] -> scalar.
 
-    Args:
-        logprobs: ``[N, L]`` log-probs of the sampled tokens under the policy.
-        ref_logprobs: ``[N, L]`` log-probs of the same tokens under the reference.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
-
-    Returns:
-        ``[N, L]`` per-token KL estimates.
+    ``"grpo"`` averages tokens within each sequence, then sequences; ``"dr_grpo"`` sums all tokens and divides by the
+    constant ``N * max_completion_length`` (a setting, never the batch's width, which would make a token's weight
+    depend on how long the other completions ran); ``"dapo"`` averages over all completion tokens of the batch, or
+    divides by ``num_tokens`` where given: under data parallelism the token count of every rank divided by the number
+    of ranks (DDP averages the ranks' gradients), as TRL does. Values outside ``mask`` are replaced by zero; a row
+    with no completion tokens contributes 0 (it still counts in ``"grpo"``'s mean over sequences, as in TRL). Linear
+    in ``values``, so the terms of a loss may be aggregated apart and summed.
     """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
-    if logprobs.shape != ref_logprobs.shape:
-        raise ValueError(f"shape mismatch: logprobs {tuple(logprobs.shape)}, ref {tuple(ref_logprobs.shape)}")
-    log_ratio = ref_logprobs - logprobs  # [N, L]
-    if estimator == "k1":
-        return -log_ratio  # [N, L]
-    if estimator == "k2":
-        return 0.5 * log_ratio**2  # [N, L]
-    return torch.exp(log_ratio) - log_ratio - 1  # [N, L]
+    mask = mask.bool()  # [N, L]
+    values = torch.where(mask, values, torch.zeros_like(values))  # [N, L]
+    if loss_type == "grpo":
+        return masked_mean(values, mask, dim=1).mean()
+    if loss_type == "dr_grpo":
+        return values.sum() / (values.shape[0] * max_completion_length)
+    return values.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
 
 
 def policy_loss(
@@ -196,24 +198,16 @@ def policy_loss(
     mask: Tensor,
     epsilon: float = 0.2,
     epsilon_high: float | None = None,
-    ref_logprobs: Tensor | None = None,
-    beta: float = 0.0,
-    kl_estimator: KlEstimator = "k3",
     loss_type: LossType = "grpo",
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
     importance_weights: Tensor | None = None,
 ) -> LossOutput:
-    """PPO-clipped GRPO objective with an optional KL penalty to a reference.
+    """PPO-clipped GRPO objective.
 
-    Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL`` with
-    ``ratio = exp(logprobs - old_logprobs)``. Aggregation (``loss_type``, TRL's names):
-    ``"grpo"`` averages tokens within each sequence, then sequences; ``"dr_grpo"`` sums all tokens and divides by
-    the constant ``N * max_completion_length`` (a setting, never the batch's width, which would make a token's weight
-    depend on how long the other completions ran); ``"dapo"`` averages over all completion tokens of the batch.
-    Positions outside ``mask`` are replaced by zero before any ``exp``, so padding garbage cannot produce NaN, and a
-    row with no completion tokens contributes 0 (it still counts in ``"grpo"``'s mean over sequences, as in TRL).
-    The KL is measured whenever ``ref_logprobs`` is given and enters the loss only when ``beta > 0``.
+    Per token: ``-min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A)`` with
+    ``ratio = exp(logprobs - old_logprobs)``, aggregated by ``loss_type`` (:func:`aggregate`). Positions outside
+    ``mask`` are replaced by zero before any ``exp``, so padding garbage cannot produce NaN.
 
     Args:
         logprobs: ``[N, L]`` log-probs of the completion tokens under the current policy (with grad).
@@ -223,41 +217,22 @@ def policy_loss(
         mask: ``[N, L]`` bool or 0/1: the completion tokens that count.
         epsilon: Lower clip range, ratio >= ``1 - epsilon``.
         epsilon_high: Upper clip range (DAPO's clip-higher), ratio <= ``1 + epsilon_high``; defaults to ``epsilon``.
-        ref_logprobs: ``[N, L]`` log-probs under the reference model, or ``None``.
-        beta: KL coefficient; ``beta > 0`` needs ``ref_logprobs``.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, see :func:`kl_divergence`.
-        loss_type: ``"grpo"``, ``"dr_grpo"`` or ``"dapo"``.
-        max_completion_length: The ``dr_grpo`` normaliser's length, required by it.
-        num_tokens: The ``dapo`` normaliser; default: the tokens in ``mask``. Under data parallelism pass the token
-            count of every rank divided by the number of ranks (DDP averages the ranks' gradients), as TRL does.
+        loss_type, max_completion_length, num_tokens: The aggregation, see :func:`aggregate`.
         importance_weights: ``[N, L]`` weights of each token's policy-gradient term (not of its KL), e.g. the
             truncated ratio correcting for a rollout engine other than the trainer (TRL's TIS); None = 1.
 
     Returns:
         :class:`LossOutput`.
     """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     if epsilon < 0 or epsilon_high < 0:
         raise ValueError(f"epsilon and epsilon_high must be >= 0, got {epsilon}, {epsilon_high}")
-    if beta < 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    if beta > 0 and ref_logprobs is None:
-        raise ValueError("beta > 0 needs ref_logprobs")
-    shapes = {"old_logprobs": old_logprobs, "mask": mask, "ref_logprobs": ref_logprobs}
-    for name, other in shapes.items():
-        if other is not None and other.shape != logprobs.shape:
+    for name, other in {"old_logprobs": old_logprobs, "mask": mask}.items():
+        if other.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(other.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    n = logprobs.shape[0]
-    if advantages.shape != (n,):
+    if advantages.shape != (logprobs.shape[0],):
         raise ValueError(f"advantages must be [N], got {tuple(advantages.shape)}")
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("loss_type 'dr_grpo' needs max_completion_length (a constant, not the batch's width)")
-    if max_completion_length is not None and max_completion_length < 1:
-        raise ValueError(f"max_completion_length must be >= 1, got {max_completion_length}")
-    if num_tokens is not None and num_tokens <= 0:
-        raise ValueError(f"num_tokens must be > 0, got {num_tokens}")
+    check_aggregation(loss_type, max_completion_length, num_tokens)
 
     # Padding is zeroed at the inputs, before any exp: an inf or NaN there reaches neither the loss nor its gradient.
     mask = mask.bool()  # [N, L]
@@ -271,27 +246,12 @@ def policy_loss(
     if importance_weights is not None:
         pg_per_token = pg_per_token * torch.where(mask, importance_weights, zeros)  # [N, L]
 
-    kl_per_token = torch.zeros_like(pg_per_token)  # [N, L]
-    if ref_logprobs is not None:
-        kl_per_token = kl_divergence(logprobs, torch.where(mask, ref_logprobs, zeros), kl_estimator)  # [N, L]
-    per_token = pg_per_token + beta * kl_per_token if beta > 0 else pg_per_token  # [N, L]
-
-    def aggregate(values: Tensor) -> Tensor:
-        values = torch.where(mask, values, zeros)  # [N, L]
-        if loss_type == "grpo":
-            return masked_mean(values, mask, dim=1).mean()
-        if loss_type == "dr_grpo":
-            return values.sum() / (n * max_completion_length)
-        return values.sum() / (mask.sum().clamp(min=1) if num_tokens is None else num_tokens)
-
-    loss = aggregate(per_token)
+    loss = aggregate(pg_per_token, mask, loss_type, max_completion_length, num_tokens)
     with torch.no_grad():
         # clipped in the direction that binds: above the band for A > 0, below it for A < 0
         is_clipped = ((ratio > 1 + epsilon_high) & (adv > 0)) | ((ratio < 1 - epsilon) & (adv < 0))  # [N, L]
         return LossOutput(
             loss=loss,
-            pg_loss=aggregate(pg_per_token),
-            kl=masked_mean(kl_per_token, mask),
             clip_frac=masked_mean(is_clipped.float(), mask),
             ratio_mean=masked_mean(ratio, mask),
         )

@@ -79,7 +79,7 @@ def test_a_hinted_grpo_step_scores_what_follows_the_hint(family_folders, make_da
 
     module = InterleaveGRPO(
         base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
-        loss={"beta": 0.0}, rewards=[Recording()],
+        kl={"beta": 0.0}, rewards=[Recording()],
     )  # fmt: skip
     fit_one_grpo_step(module, make_datamodule, batch_size=4, hints=HintSettings(pairs=2))
     (targets, prompts), *_ = seen

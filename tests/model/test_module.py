@@ -51,7 +51,7 @@ def _logprobs(module, model, batch):
 
 
 def test_grpo_step_moves_trainable_weights_only_and_reference_stays(make_module, make_datamodule):
-    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.04})
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, kl={"beta": 0.04})
     datamodule = make_datamodule(module.tokenizer)
     before = _snapshot(module.policy)
     _fit(module, datamodule, steps=1)
@@ -71,7 +71,7 @@ def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, m
         lora=LoraSettings(r=4, alpha=8, dropout=0.0),
         rewards=[CompletionLength()],
         optimization={"learning_rate": 1e-2},
-        loss={"beta": 0.04},
+        kl={"beta": 0.04},
     )
     datamodule = make_datamodule(module.tokenizer)
     base = _snapshot(module.policy)
@@ -88,7 +88,7 @@ def test_lora_leaves_base_weights_and_reference_is_the_base_model(make_module, m
 
 
 def test_beta_zero_runs_no_reference(make_module, make_datamodule):
-    module = make_module(loss={"beta": 0.0})
+    module = make_module(kl={"beta": 0.0})
     _fit(module, make_datamodule(module.tokenizer), steps=2)
     assert module.reference is None
 
@@ -171,7 +171,7 @@ def test_budget_follows_the_stage(make_module, make_datamodule):
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
 def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_datamodule):
     # reward = 1.0 * 0.25 + 2.0 * 0.5 = 1.25 for every completion; each term logged under its own key
-    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], loss={"beta": 0.0})
+    module = make_module(rewards=[Constant(0.25), Constant(0.5, weight=2.0)], kl={"beta": 0.0})
     batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
     trajectory, stats = module.generate_trajectory(batch)
     assert trajectory.rewards.tolist() == [1.25] * trajectory.rewards.numel()
@@ -181,7 +181,7 @@ def test_rewards_sharing_a_name_are_summed_and_logged_apart(make_module, make_da
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log")
 def test_rewards_see_each_completions_prompt_fragments_and_length(make_module, make_datamodule):
     reward = Recording()
-    module = make_module(rewards=[reward], loss={"beta": 0.0}, sampling={"num_generations": 3})
+    module = make_module(rewards=[reward], kl={"beta": 0.0}, sampling={"num_generations": 3})
     batch = next(iter(make_datamodule(module.tokenizer).val_dataloader()[0]))
     module.generate_trajectory(batch)
     each = lambda values: [v for v in values for _ in range(3)]  # noqa: E731  group-major, as the completions
@@ -213,9 +213,9 @@ def test_dr_grpo_divides_by_the_configured_constant_not_the_batch_width(make_mod
 
 def test_k1_in_the_loss_warns(make_module, recwarn):
     with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
-        make_module(loss={"kl_estimator": "k1", "beta": 0.04})
-    make_module(loss={"kl_estimator": "k1", "beta": 0.0})  # measured only: nothing to warn about
-    make_module(loss={"kl_estimator": "k3", "beta": 0.04})
+        make_module(kl={"estimator": "k1", "beta": 0.04})
+    make_module(kl={"estimator": "k1", "beta": 0.0})  # measured only: nothing to warn about
+    make_module(kl={"estimator": "k3", "beta": 0.04})
     assert not [w for w in recwarn if "k1" in str(w.message)]
 
 
@@ -243,7 +243,7 @@ def _infinite_gradient_in_backward(module, n: int) -> list[int]:
 
 
 def test_non_finite_gradient_norm_skips_the_step_and_counts_it(make_module, make_datamodule):
-    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.0})
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, kl={"beta": 0.0})
     calls = _infinite_gradient_in_backward(module, 2)
     snapshots = Snapshots()
     trainer = _fit(module, make_datamodule(module.tokenizer), steps=2, callbacks=[snapshots])
@@ -262,7 +262,7 @@ def test_16_mixed_clips_the_unscaled_gradients(make_module, make_datamodule):
     from lightning.pytorch.plugins import MixedPrecision
 
     module = make_module(
-        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, loss={"beta": 0.0}
+        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, kl={"beta": 0.0}
     )
     norms = []
 
@@ -301,7 +301,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
     cause, make_module, make_datamodule, monkeypatch
 ):
     # step 1 is the warm-start, steps 2-4 GRPO; step 3 is skipped, for an infinite gradient norm or a NaN loss
-    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, loss={"beta": 0.0})
+    module = make_module(rewards=[CompletionLength()], optimization={"learning_rate": 1e-2}, kl={"beta": 0.0})
     if cause == "gradient":
         _infinite_gradient_in_backward(module, 3)
     else:
@@ -329,7 +329,7 @@ def test_a_skipped_step_logs_no_learning_rate_counts_itself_and_each_step_logs_a
 
 
 def test_a_batch_of_several_updates_logs_at_the_global_step_after_them(make_module, make_datamodule):
-    module = make_module(rewards=[CompletionLength()], loss={"num_iterations": 2, "beta": 0.0})
+    module = make_module(rewards=[CompletionLength()], loss={"num_iterations": 2}, kl={"beta": 0.0})
     logger = Captured()
     _fit(module, make_datamodule(module.tokenizer), steps=4, logger=logger, log_every_n_steps=1)
     assert [step for step, _ in logger.rows] == [2, 4]  # two batches of two optimizer steps each
@@ -354,7 +354,7 @@ class NormsOfGradients(TorchDispatchMode):
 
 def test_the_gradient_norm_is_taken_once_per_step_and_clips_as_clip_grad_norm(make_module, make_datamodule):
     module = make_module(
-        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, loss={"beta": 0.0}
+        rewards=[CompletionLength()], optimization={"learning_rate": 1e-2, "max_grad_norm": 1e-3}, kl={"beta": 0.0}
     )
     hook, steps = module.on_before_optimizer_step, []
 
@@ -396,7 +396,7 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     # sft_steps 10, but the curriculum ended the warm-start at batch 2 (as a validation reaching warm_start_until
     # does): steps 1-2 are supervised, 3-4 GRPO, whose learning rate warms up from step 3 (warm-up 2: 1/3, 2/3)
     module = make_module(
-        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, loss={"beta": 0.0}
+        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, kl={"beta": 0.0}
     )
     logger, datamodule = Captured(), make_datamodule(module.tokenizer, sft_steps=10, sft_batch_size=2)
     datamodule.curriculum.state.warm_end = 2
@@ -410,7 +410,7 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
     trainer.save_checkpoint(tmp_path / "run.ckpt")
     # a resumed run keeps GRPO's schedule: the restored curriculum hands the GRPO batches their start
     resumed = make_module(
-        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, loss={"beta": 0.0}
+        rewards=[CompletionLength()], optimization={"learning_rate": 3e-2, "warmup_steps": 2}, kl={"beta": 0.0}
     )
     logger = Captured()
     again = make_datamodule(resumed.tokenizer, sft_steps=10, sft_batch_size=2)
@@ -425,7 +425,7 @@ def test_a_warm_start_ended_early_starts_grpo_there_with_its_warm_up(make_module
 
 
 def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module, make_datamodule, tmp_path):
-    module = make_module(sampling={"temperature": 0.7}, loss={"beta": 0.0})
+    module = make_module(sampling={"temperature": 0.7}, kl={"beta": 0.0})
     seen = []
     rollout = module._rollout
     module._rollout = lambda batch, G, temperature, generator=None: (
@@ -447,7 +447,7 @@ def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module,
 
 
 def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, make_datamodule):
-    module = make_module(rewards=[CompletionLength()], loss={"beta": 0.0})
+    module = make_module(rewards=[CompletionLength()], kl={"beta": 0.0})
     datamodule = make_datamodule(module.tokenizer, sft_steps=2, sft_batch_size=2)
     optimizer_steps = []
     module.on_train_batch_end = lambda *args: optimizer_steps.append(

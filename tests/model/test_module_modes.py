@@ -19,10 +19,10 @@ from interleave_model.module import InterleaveGRPO
 from tests.conftest import fit_one_grpo_step
 
 
-def _module(folder, lora=None, base=None, sampling=None, loss=None, optimization=None) -> InterleaveGRPO:
+def _module(folder, lora=None, base=None, sampling=None, loss=None, kl=None, optimization=None) -> InterleaveGRPO:
     return InterleaveGRPO(
         base={"name_or_path": str(folder)} | (base or {}), template="compact", lora=lora,
-        sampling={"num_generations": 2} | (sampling or {}), loss={"beta": 0.0} | (loss or {}),
+        sampling={"num_generations": 2} | (sampling or {}), loss=loss or {}, kl={"beta": 0.0} | (kl or {}),
         optimization=optimization or {},
     )  # fmt: skip
 
@@ -43,7 +43,7 @@ def _count_forwards(layer: torch.nn.Module) -> list[bool]:
 def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
     family_folders, make_datamodule, monkeypatch, lora
 ):
-    module = _module(family_folders["llama3"], lora=lora, loss={"beta": 0.04}, base={"disable_dropout": False})
+    module = _module(family_folders["llama3"], lora=lora, kl={"beta": 0.04}, base={"disable_dropout": False})
     if lora is None:
         module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
     modes = {"rollout": [], "reference": [], "update": []}

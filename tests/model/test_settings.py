@@ -1,4 +1,5 @@
-"""The model's settings in four groups, and checkpoints written before the groups existed."""
+"""The model's settings in groups, and checkpoints written before the groups existed or before the auxiliary terms
+had theirs."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import pytest
 import torch
 
 from interleave_model import legacy
-from interleave_model.legacy import FLAT_NAMES, REMOVED, MovedKeyError, check_moved_keys, grouped_hparams
+from interleave_model.legacy import FLAT_NAMES, LOSS_MOVED, REMOVED, MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import GROUPS, Evaluation, Loss, Optimization, Sampling, as_group
+from interleave_model.settings import GROUPS, Evaluation, Kl, Loss, Optimization, Sampling, as_group
 from tests.conftest import flat_settings
 
 # The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them
@@ -30,7 +31,9 @@ def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_n
     assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
     removed = {(cls.lower(), name) for cls, name in REMOVED}  # settings removed since: found, then dropped
-    assert set(FLAT_NAMES.values()) == fields | removed and not fields & removed
+    in_loss = {("loss", name) for name in LOSS_MOVED}  # the terms' settings: into `loss`, then out to their groups
+    kl = {("kl", name) for name in asdict(Kl())}  # reached through `in_loss`
+    assert set(FLAT_NAMES.values()) == (fields - kl) | removed | in_loss and not fields & (removed | in_loss)
 
 
 def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog, monkeypatch):
@@ -51,14 +54,38 @@ def test_flat_settings_go_into_their_groups_and_the_rest_stays():
         "seed": 3,
         "sampling": {"temperature": 0.7},
         "evaluation": {"temperature": 0.3, "pass_k": [1]},
-        "loss": {"beta": 0.0},
+        "loss": {},
+        "kl": {"beta": 0.0},
+        "guidance": None,
+        "reference_in_group": None,
         "optimization": {"learning_rate": 2e-4},
     }
 
 
 def test_grouped_settings_come_back_unchanged():
-    grouped = {"seed": 1, "sampling": {"num_generations": 4}, "loss": asdict(Loss(beta=0.1))}
+    grouped = {"seed": 1, "sampling": {"num_generations": 4}, "loss": asdict(Loss()), "kl": asdict(Kl(beta=0.1))}
     assert grouped_hparams(grouped) == grouped
+
+
+@pytest.mark.parametrize(
+    ("loss", "terms"),
+    [
+        (
+            {"beta": 0.1, "kl_estimator": "k2", "guidance": 0.5, "guidance_loss": "ce", "reference_in_group": True,
+             "shaping_gamma": 0.2, "epsilon": 0.3},
+            {"kl": {"beta": 0.1, "estimator": "k2"}, "guidance": {"weight": 0.5, "loss": "ce"},
+             "reference_in_group": {"shaping_gamma": 0.2}},
+        ),
+        (  # the terms off, as the old switches wrote it
+            {"beta": 0.0, "guidance": 0.0, "guidance_final": 0.0, "reference_in_group": False, "shaping_gamma": 0.1,
+             "epsilon": 0.3},
+            {"kl": {"beta": 0.0}, "guidance": None, "reference_in_group": None},
+        ),
+    ],
+)  # fmt: skip
+def test_the_terms_settings_of_an_old_loss_go_into_their_groups(loss, terms):
+    grouped = grouped_hparams({"seed": 1, "loss": loss})
+    assert grouped == {"seed": 1, "loss": {"epsilon": 0.3}} | terms
 
 
 def test_each_group_checks_its_own_values_when_built():
@@ -69,7 +96,9 @@ def test_each_group_checks_its_own_values_when_built():
     with pytest.raises(ValueError, match=r"model\.evaluation\.pass_k must be in \[1, num_samples=2\]"):
         Evaluation(num_samples=2, pass_k=[3])
     with pytest.warns(UserWarning, match="k1 has zero expected gradient"):
-        Loss(kl_estimator="k1", beta=0.04)
+        Kl(estimator="k1", beta=0.04)
+    with pytest.raises(ValueError, match=r"model\.kl\.beta must be >= 0"):
+        Kl(beta=-1.0)
 
 
 def test_hparams_hold_plain_dicts_and_the_module_typed_copies(make_module):
@@ -92,7 +121,7 @@ def test_the_default_groups_are_never_shared_between_modules(make_module):
 def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
     module = make_module(
         sampling={"temperature": 0.7, "top_k": 5},
-        loss={"beta": 0.0},
+        kl={"beta": 0.0},
         optimization={"learning_rate": 0.03},
         evaluation={"temperature": 0.2},
     )
@@ -107,6 +136,7 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
 
     loaded = InterleaveGRPO.load_from_checkpoint(tmp_path / "flat.ckpt")
     assert (loaded.base, loaded.sampling, loaded.loss) == (module.base, module.sampling, module.loss)
+    assert loaded.kl == module.kl and (loaded.guidance, loaded.reference_in_group) == (None, None)
     assert (loaded.optimization, loaded.evaluation) == (module.optimization, module.evaluation)
     assert loaded.sampling.top_k == 5 and loaded.evaluation.temperature == 0.2
     weights = module.state_dict()
@@ -120,12 +150,19 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
         (["fit", "--model.init_from=a.ckpt"], "--model.init_from is now --model.base.init_from"),
         (["fit", "--config", "{old}"], "{old}: model.dtype is now model.base.dtype"),
         (["fit", "--config={nested}"], "{nested}: model.init_from is now model.base.init_from"),
+        (["fit", "--model.loss.beta=0.1"], "--model.loss.beta is now --model.kl.beta"),
+        (
+            ["fit", "--model.loss.reference_in_group", "true"],
+            "--model.loss.reference_in_group is now --model.reference_in_group",
+        ),
+        (["fit", "--config", "{terms}"], "{terms}: model.loss.guidance is now model.guidance.weight"),
     ],
 )
 def test_a_moved_key_is_refused_in_one_line_that_names_the_new_one(tmp_path, args, message):
-    paths = {"old": tmp_path / "old.yaml", "nested": tmp_path / "nested.yaml"}
+    paths = {"old": tmp_path / "old.yaml", "nested": tmp_path / "nested.yaml", "terms": tmp_path / "terms.yaml"}
     paths["old"].write_text("model:\n  dtype: float32\n")
     paths["nested"].write_text("model:\n  init_args:\n    init_from: a.ckpt\n")
+    paths["terms"].write_text("model:\n  loss:\n    epsilon: 0.2\n    guidance: 0.5\n")
     with pytest.raises(MovedKeyError) as raised:
         check_moved_keys([a.format(**paths) for a in args])
     assert str(raised.value) == message.format(**paths)

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 
 from interleave_model.algorithm.grpo import (
     group_advantages,
-    kl_divergence,
     masked_mean,
     policy_loss,
     sft_loss,
@@ -107,67 +106,6 @@ def test_advantages_reject_2d_rewards():
         group_advantages(REWARDS.view(2, 4), num_generations=4)
 
 
-# ---- KL estimators ------------------------------------------------------------------------------------------------
-
-# p(token) = [0.5, 0.25], ref(token) = [0.25, 0.5]  ->  log_ratio = log(ref/p) = [-ln2, +ln2]
-LOGP = torch.tensor([[math.log(0.5), math.log(0.25)]])
-REF = torch.tensor([[math.log(0.25), math.log(0.5)]])
-
-
-def test_kl_k1():
-    # k1 = logp - logr = [ln2, -ln2] = [0.6931, -0.6931]
-    torch.testing.assert_close(kl_divergence(LOGP, REF, "k1"), torch.tensor([[LN2, -LN2]]))
-
-
-def test_kl_k2():
-    # k2 = 0.5 * (ln2)^2 = 0.2402 at both tokens
-    torch.testing.assert_close(kl_divergence(LOGP, REF, "k2"), torch.tensor([[0.5 * LN2**2, 0.5 * LN2**2]]))
-
-
-def test_kl_k3():
-    # k3 = e^x - x - 1: x = -ln2 -> 0.5 + 0.6931 - 1 = 0.1931; x = ln2 -> 2 - 0.6931 - 1 = 0.3069
-    torch.testing.assert_close(kl_divergence(LOGP, REF, "k3"), torch.tensor([[LN2 - 0.5, 1 - LN2]]))
-
-
-def test_k1_and_k3_are_unbiased_and_k3_nonnegative():
-    # p = [0.7, 0.3], q = [0.4, 0.6]: KL(p||q) = 0.7 ln(7/4) + 0.3 ln(1/2) = 0.39173 - 0.20794 = 0.18379
-    # the p-weighted mean over the support is the exact expectation under sampling from p
-    p, q = torch.tensor([[0.7, 0.3]]), torch.tensor([[0.4, 0.6]])
-    kl = 0.7 * math.log(7 / 4) + 0.3 * math.log(0.5)
-    for estimator in ("k1", "k3"):
-        expectation = (p * kl_divergence(p.log(), q.log(), estimator)).sum()
-        torch.testing.assert_close(expectation, torch.tensor(kl))
-    a, b = torch.randn(2, 50, generator=torch.Generator().manual_seed(0)) * 3
-    assert (kl_divergence(a[None], b[None], "k3") >= 0).all()
-
-
-def _expected_kl_gradient(estimator: str, p: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """Exact E_{x ~ p}[grad_logits k(x)]: every token of the vocabulary weighted by its (detached) probability."""
-    logits = p.log().requires_grad_()
-    logprobs = torch.log_softmax(logits, dim=-1)  # [1, V]
-    (p * kl_divergence(logprobs, ref.log(), estimator)).sum().backward()
-    return logits.grad
-
-
-def test_k1_has_zero_expected_gradient_unlike_k2_and_k3():
-    # p = [0.5, 0.25, 0.25], ref = [0.25, 0.25, 0.5]; d log p_x / d z_j = 1[x == j] - p_j
-    # k1 = log p - log ref: sum_x p_x (1[x == j] - p_j) = p_j - p_j = 0 -> [0, 0, 0]
-    # k3 = r - log r - 1 with r = ref / p, d k3 / d log p = 1 - r:
-    #   sum_x p_x (1 - r_x)(1[x == j] - p_j) = p_j (1 - r_j) - p_j (1 - sum ref) = p_j - ref_j = [0.25, 0, -0.25]
-    # k2 = 0.5 log(ref/p)^2, d k2 / d log p = log(p/ref): p_j log(p_j/ref_j) - p_j KL = grad KL(p || ref)
-    #   KL = 0.5 ln2 + 0 + 0.25 ln(1/2) = 0.25 ln2 -> [0.5 (ln2 - 0.25 ln2), -0.25 * 0.25 ln2, 0.25 (-ln2 - 0.25 ln2)]
-    #   = ln2 * [0.375, -0.0625, -0.3125]
-    p, ref = torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([[0.25, 0.25, 0.5]])
-    torch.testing.assert_close(_expected_kl_gradient("k1", p, ref), torch.zeros(1, 3))
-    torch.testing.assert_close(_expected_kl_gradient("k3", p, ref), torch.tensor([[0.25, 0.0, -0.25]]))
-    torch.testing.assert_close(_expected_kl_gradient("k2", p, ref), LN2 * torch.tensor([[0.375, -0.0625, -0.3125]]))
-
-
-def test_kl_rejects_unknown_estimator():
-    with pytest.raises(ValueError, match="k4"):
-        kl_divergence(LOGP, REF, "k4")
-
-
 # ---- clipping -----------------------------------------------------------------------------------------------------
 
 
@@ -182,10 +120,8 @@ def test_clipping_both_signs_above_and_below_the_band():
     logprobs = torch.tensor([[1.5], [1.5], [0.5], [0.5]]).log().requires_grad_()
     out = policy_loss(logprobs, torch.zeros(4, 1), torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.ones(4, 1))
     torch.testing.assert_close(out.loss, torch.tensor(0.15))
-    torch.testing.assert_close(out.pg_loss, torch.tensor(0.15))
     torch.testing.assert_close(out.clip_frac, torch.tensor(0.5))
     torch.testing.assert_close(out.ratio_mean, torch.tensor(1.0))
-    assert out.kl == 0
     out.loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[0.0], [0.375], [-0.125], [0.0]]))
     assert not any(t.requires_grad for t in out[1:])
@@ -245,12 +181,8 @@ def test_empty_mask_row_gives_finite_loss_and_gradient(loss_type):
     # row 1 has no completion token and garbage everywhere; row 0: ratio 1, A = 2 -> per-token -2
     logprobs = torch.tensor([[-1.0, -1.0], [float("nan"), float("inf")]], requires_grad=True)
     old = torch.tensor([[-1.0, -1.0], [float("-inf"), float("nan")]])
-    ref = torch.tensor([[-1.0, -1.0], [float("inf"), float("-inf")]])
     mask = torch.tensor([[True, True], [False, False]])
-    out = policy_loss(
-        logprobs, old, torch.tensor([2.0, 0.0]), mask, ref_logprobs=ref, beta=0.1, loss_type=loss_type,
-        max_completion_length=2,
-    )  # fmt: skip
+    out = policy_loss(logprobs, old, torch.tensor([2.0, 0.0]), mask, loss_type=loss_type, max_completion_length=2)
     assert all(torch.isfinite(t) for t in out)
     out.loss.backward()
     assert torch.isfinite(logprobs.grad).all()
@@ -263,27 +195,6 @@ def test_all_masked_batch_gives_zero_loss():
     out = policy_loss(torch.zeros(2, 3, requires_grad=True), torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3))
     assert out.loss == 0 and out.clip_frac == 0 and out.ratio_mean == 0
     out.loss.backward()
-
-
-def test_kl_penalty_enters_loss_only_with_beta():
-    # one counted token: p = 0.5, ref = 0.25, A = 0 so the policy term is 0; the second token is masked garbage
-    # k3 at x = ln(0.25/0.5) = -ln2: 0.5 + ln2 - 1 = 0.19315; loss = beta * k3 = 0.1 * 0.19315 = 0.019315
-    # k1: ln2 = 0.69315; loss = 0.1 * 0.69315 = 0.069315
-    logprobs = torch.tensor([[math.log(0.5), 0.0]])
-    ref = torch.tensor([[math.log(0.25), 50.0]])
-    args = (logprobs, logprobs, torch.zeros(1), torch.tensor([[1, 0]]))
-    out = policy_loss(*args, ref_logprobs=ref, beta=0.1)
-    torch.testing.assert_close(out.loss, torch.tensor(0.1 * (LN2 - 0.5)))
-    torch.testing.assert_close(out.kl, torch.tensor(LN2 - 0.5))
-    assert out.pg_loss == 0
-    out = policy_loss(*args, ref_logprobs=ref, beta=0.1, kl_estimator="k1")
-    torch.testing.assert_close(out.loss, torch.tensor(0.1 * LN2))
-    # beta 0 with a reference: measured, not in the loss
-    out = policy_loss(*args, ref_logprobs=ref, beta=0.0)
-    assert out.loss == 0
-    torch.testing.assert_close(out.kl, torch.tensor(LN2 - 0.5))
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(*args, beta=0.1)
 
 
 def test_first_pass_ratio_is_one_but_gradient_is_the_policy_gradient():
@@ -300,7 +211,6 @@ def test_first_pass_ratio_is_one_but_gradient_is_the_policy_gradient():
     [
         {"loss_type": "bnpo"},
         {"epsilon": -0.1},
-        {"beta": -1.0},
         {"max_completion_length": 0},
         {"loss_type": "dr_grpo"},  # no constant: the batch's width would be the only length left
         {"loss_type": "dapo", "num_tokens": 0.0},

@@ -50,7 +50,10 @@ class Same(RewardFunction):
 @pytest.mark.parametrize("guidance", [0.0, 0.5])
 def test_only_the_guidance_moves_the_policy_when_every_answer_scores_alike(make_module, make_datamodule, guidance):
     module = make_module(
-        rewards=[Same()], loss={"beta": 0.0, "guidance": guidance}, optimization={"learning_rate": 1e-2}
+        rewards=[Same()],
+        kl={"beta": 0.0},
+        guidance={"weight": guidance} if guidance else None,
+        optimization={"learning_rate": 1e-2},
     )
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
@@ -68,15 +71,16 @@ def test_the_plain_cross_entropy_is_the_term_when_asked(make_module, make_datamo
     # cross-entropy (CHORD-mu) is at least four times it; the same function for both would give equal values
     terms = {}
     for name in ("phi", "ce"):
-        module = make_module(rewards=[Same()], seed=3, loss={"beta": 0.0, "guidance": 1.0, "guidance_loss": name})
+        module = make_module(rewards=[Same()], seed=3, kl={"beta": 0.0}, guidance={"weight": 1.0, "loss": name})
         trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
         terms[name] = trainer.callback_metrics["train/guidance_loss"].item()
     assert terms["phi"] > 0 and terms["ce"] >= 4 * terms["phi"]
 
 
-@pytest.mark.parametrize("name", ["guidance", "guidance_final"])
-def test_a_weight_outside_0_1_is_refused_naming_the_key(name):
-    from interleave_model.settings import Loss
+@pytest.mark.parametrize("settings", [{"weight": 1.5}, {"weight": 0.0}, {"final": 1.5}, {"decay_steps": -1}])
+def test_a_setting_out_of_range_is_refused_naming_the_key(settings):
+    from interleave_model.settings import Guidance
 
-    with pytest.raises(ValueError, match=f"model.loss.{name} must be in"):
-        Loss(**{name: 1.5})
+    (name,) = settings
+    with pytest.raises(ValueError, match=f"model.guidance.{name} must be"):
+        Guidance(**settings)

@@ -1,4 +1,4 @@
-"""The known answer as one more group member (LUFFY, `loss.reference_in_group`): its advantages and shaped loss by
+"""The known answer as one more group member (LUFFY, `model.reference_in_group`): its advantages and shaped loss by
 hand, that it alone moves the policy when no sample earns anything, the settings it refuses, and a step on a
 real family's folder."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from interleave_model.algorithm.grpo import group_advantages
-from interleave_model.algorithm.guidance import mixed_group_advantages, shaped_reference_loss
+from interleave_model.algorithm.reference_in_group import mixed_group_advantages, shaped_reference_loss
 from interleave_model.algorithm.rewards import RewardFunction
 from tests.conftest import fit_one_grpo_step
 
@@ -63,7 +63,10 @@ class Exact(RewardFunction):
 @pytest.mark.parametrize("in_group", [False, True])
 def test_only_the_reference_moves_the_policy_when_no_sample_earns_anything(make_module, make_datamodule, in_group):
     module = make_module(
-        rewards=[Exact()], loss={"beta": 0.0, "reference_in_group": in_group}, optimization={"learning_rate": 1e-2}
+        rewards=[Exact()],
+        kl={"beta": 0.0},
+        reference_in_group={} if in_group else None,
+        optimization={"learning_rate": 1e-2},
     )
     before = [p.detach().clone() for p in module.policy.parameters()]
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
@@ -76,20 +79,18 @@ def test_only_the_reference_moves_the_policy_when_no_sample_earns_anything(make_
         assert logged["train/reference_advantage"].item() > 0 and logged["train/reference_loss"].item() < 0
 
 
-@pytest.mark.parametrize(
-    "settings, key",
-    [({"scale_rewards": "batch"}, "scale_rewards"), ({"shaping_gamma": 0.0}, "gamma")],
-)
-def test_settings_it_cannot_honour_are_refused_naming_the_key(settings, key):
-    from interleave_model.settings import Loss
+def test_settings_it_cannot_honour_are_refused_naming_the_key(make_module):
+    from interleave_model.settings import ReferenceInGroup
 
-    with pytest.raises(ValueError, match=f"model.loss.*{key}"):
-        Loss(reference_in_group=True, **settings)
+    with pytest.raises(ValueError, match="model.reference_in_group.shaping_gamma must be > 0"):
+        ReferenceInGroup(shaping_gamma=0.0)
+    with pytest.raises(ValueError, match="model.reference_in_group .*model.loss.scale_rewards"):
+        make_module(loss={"scale_rewards": "batch"}, reference_in_group={})
 
 
 def test_dynamic_sampling_is_refused(make_module):
     with pytest.raises(ValueError, match="model.dynamic_sampling off"):
-        make_module(dynamic_sampling={"max_rounds": 1}, loss={"reference_in_group": True})
+        make_module(dynamic_sampling={"max_rounds": 1}, reference_in_group={})
 
 
 def test_a_step_on_a_llama3_folder_learns_its_targets_tokens(family_folders, make_datamodule):
@@ -99,7 +100,7 @@ def test_a_step_on_a_llama3_folder_learns_its_targets_tokens(family_folders, mak
 
     module = InterleaveGRPO(
         base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
-        loss={"beta": 0.0, "reference_in_group": True}, rewards=[Exact()], optimization={"learning_rate": 1e-2},
+        kl={"beta": 0.0}, reference_in_group={}, rewards=[Exact()], optimization={"learning_rate": 1e-2},
     )  # fmt: skip
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
     logged = trainer.callback_metrics
@@ -116,7 +117,7 @@ def test_the_reference_term_in_micro_batches_is_the_whole_batch_mean(family_fold
     for micro in (None, 1):
         module = InterleaveGRPO(
             base={"name_or_path": str(family_folders["llama3"])}, template="compact", sampling={"num_generations": 2},
-            loss={"beta": 0.0, "reference_in_group": True}, rewards=[Exact()],
+            kl={"beta": 0.0}, reference_in_group={}, rewards=[Exact()],
             optimization={"micro_batch_size": micro},
         )  # fmt: skip
         metrics = fit_one_grpo_step(module, make_datamodule, batch_size=2).callback_metrics

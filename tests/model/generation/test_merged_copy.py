@@ -142,7 +142,7 @@ def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(m
     from tests.conftest import fit_one_grpo_step
 
     module = make_module(
-        lora=LoraSettings(r=4, alpha=8, dropout=0.0), loss={"beta": 0.0},
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0), kl={"beta": 0.0},
         sampling={"num_generations": 4, "merged_copy": "float32", "importance_sampling_cap": 2.0},
     )  # fmt: skip
     trainer = fit_one_grpo_step(module, make_datamodule, batch_size=2)
@@ -174,7 +174,7 @@ def test_auto_picks_a_copy_once_on_the_first_training_rollout_and_says_so(make_m
     from tests.conftest import fit_one_grpo_step
 
     module = make_module(
-        lora=LoraSettings(r=4, alpha=8, dropout=0.0), loss={"beta": 0.0},
+        lora=LoraSettings(r=4, alpha=8, dropout=0.0), kl={"beta": 0.0},
         sampling={"num_generations": 2, "merged_copy": "auto", "importance_sampling_cap": 2.0},
     )  # fmt: skip
     with caplog.at_level("INFO"):
