@@ -26,7 +26,7 @@ from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.model.shipped import resolve_model
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import report, stage_fits
-from interleave_model.preflight.estimates import gpu_gib, memory_lines
+from interleave_model.preflight.estimates import estimate_lines, gpu_gib
 from interleave_model.preflight.rehearsal import rehearse
 from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.run.interrupt import StopOnSignal
@@ -139,7 +139,7 @@ class InterleaveCLI(CompatCLI):
             gpu = gpu_gib() if gib is None else (gib, "the GPU named")
             fits = {f.n_words: (f.prompt_tokens, f.answer_tokens) for f in stage_fits(self.model, self.datamodule)}
             stages = {n: fits[n] for n in config["data"]["stages"] if n in fits}
-            print("\n".join(memory_lines(config, stages, AutoConfig.from_pretrained(resolve_model(name)), *gpu)))
+            print("\n".join(estimate_lines(config, stages, AutoConfig.from_pretrained(resolve_model(name)), *gpu)))
 
     def before_checkpoint_hparams(self, subcommand: str) -> None:
         """One folder per run, placed first: it resolves `--ckpt_path last` to a file (`interleave_model.run.runs`).

@@ -13,7 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaC
 
 from cli import bare_flags, run
 from interleave_model.preflight.checks import text_lines
-from interleave_model.preflight.estimates import memory_lines, shape, step_memory
+from interleave_model.preflight.estimates import MEASURED_STEPS, estimate_lines, shape, step_memory, step_time
 from interleave_model.preflight.rehearsal import shrink
 from interleave_model.runtime import machine
 
@@ -68,11 +68,36 @@ def test_the_estimate_lines_read_the_config_as_the_run_does():
     run = {"model": {"base": {"dtype": "bfloat16"}, "lora": None, "rollout_engine": "own",
                      "sampling": {"num_generations": 16}, "optimization": {"micro_batch_size": None}},
            "data": {"batch_size": 4}}  # fmt: skip
-    (head, line) = memory_lines(run, {500: (10000, 5000)}, config, 80.0, "a test GPU")
+    (head, line, time_head, time_line) = estimate_lines(run, {500: (10000, 5000)}, config, 80.0, "a test GPU")
     expected = step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 64, 2, None)
     assert expected.update > step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 16, 2, None).update + 0.1
     assert head.endswith("on a test GPU, 80.0 GiB:") and "adapter 0.00" in line
     assert f"update {expected.update:.1f}" in line and f"rollout KV {expected.rollout_kv:.1f})" in line
+    took = step_time(shape(config, None, 0), 5000, rows=64)  # every row of the batch is answered and updated
+    assert (
+        "64 answers" in time_head
+        and time_line == f"  500 words: {took.step:.0f} s (rollout {took.rollout:.0f} s, update {took.rest:.0f} s)"
+    )
+
+
+def test_the_time_estimate_meets_the_measured_steps_and_gives_scaling_md_table():
+    """At the measured budgets, the measured 3B steps; at the curriculum's budgets, SCALING's table, stage by stage."""
+    config = LlamaConfig(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True)  # fmt: skip
+    model = shape(config, None, 0)
+    for budget, rollout, step in MEASURED_STEPS:
+        took = step_time(model, budget, rows=64)
+        assert took.rollout == pytest.approx(rollout) and took.step == pytest.approx(step)
+    # docs/SCALING.md, "Expected time of the curriculum on one GPU": budget, rollout, update, step (seconds)
+    table = {10: (58, 3, 3, 6), 25: (144, 9, 4, 13), 50: (289, 20, 6, 26), 100: (577, 32, 14, 46),
+             200: (1154, 65, 27, 92), 500: (2885, 162, 69, 231)}  # fmt: skip
+    for budget, rollout, update, step in table.values():
+        took = step_time(model, budget, rows=64)
+        assert (round(took.rollout), round(took.rest), round(took.step)) == (rollout, update, step)
+    # beyond the longest measured step, the rest is in proportion to the row-tokens
+    half = step_time(model._replace(parameters=model.parameters // 2), 2885, rows=32)
+    assert half.rollout == pytest.approx(step_time(model, 2885, 64).rollout / 2, rel=1e-6)  # half the weights to read
+    assert half.rest == pytest.approx(step_time(model, 2885, 64).rest / 4, rel=1e-6)  # half the rows, half the weights
 
 
 def test_a_bare_flag_takes_true_and_a_valued_one_is_kept():

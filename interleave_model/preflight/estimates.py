@@ -1,8 +1,7 @@
-"""Estimates of a GRPO step's GPU memory for a real model, from its config alone (no weights): what
-`check --rehearse` prints beside the figures it measures, marked as estimates.
-
-The model is the one docs/SCALING.md walks through for Llama-3.2-3B (LoRA, gradient checkpointing, bf16 weights and
-KV cache, the fused LM head), per stage from the token counts `check` measured:
+"""Estimates of a GRPO step's GPU memory and time for a real model, from its config alone (no weights): what
+`check --rehearse` prints beside the figures it measures, marked as estimates. The time follows steps measured on one
+GPU (`step_time`). The memory follows the model docs/SCALING.md walks through for Llama-3.2-3B (LoRA, gradient
+checkpointing, bf16 weights and KV cache, the fused LM head), per stage from the token counts `check` measured:
 
 - weights: the parameters (counted on the meta device) at the base's dtype;
 - the adapter: LoRA's parameters x 16 bytes (fp32 weights, gradients and AdamW's two moments);
@@ -20,6 +19,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from interleave_model.settings import ALL_LINEAR, VllmSettings
@@ -122,8 +122,47 @@ def gpu_gib() -> tuple[float, str]:
     return DEFAULT_GPU_GIB, "an H100 80 GB (no GPU here)"
 
 
-def memory_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
-    """`check --rehearse`'s estimate lines: one per stage, from its measured (prompt, answer budget) tokens."""
+class StepTime(NamedTuple):
+    """One stage's estimated step time on the measured GPU, in seconds."""
+
+    rollout: float
+    rest: float  # the reference's and the policy's forwards, the backward and the optimizer step
+
+    @property
+    def step(self) -> float:
+        return self.rollout + self.rest
+
+
+# GRPO steps measured on one H200 (benchmarks/results/gpu-grpo-step.jsonl, docs/SCALING.md): Llama-3.2-3B's shape with
+# random weights, LoRA r 16 on every projection, gradient checkpointing, beta 0.04, 4 prompts x 16 answers, the own
+# sampler, every answer running to its budget: (answer budget in tokens, rollout s, step s) at 10, 100 and 200 words.
+MEASURED_PARAMETERS, MEASURED_ROWS = 3_212_749_824, 64
+MEASURED_STEPS = ((30, 1.5685, 4.5866), (255, 18.0342, 23.1646), (505, 28.4098, 40.4103))
+
+
+def step_time(model: Shape, answer_tokens: int, rows: int) -> StepTime:
+    """The step time of a stage whose answers run to `answer_tokens`, from the measured steps.
+
+    The rollout is as many decode steps as the budget, each as long as the measured ones at that budget (linear
+    between them, held beyond them); its rows are taken as free (a decode step of 64 rows waits on reading the
+    weights). The rest of the step (the reference's and the policy's forwards, the backward, the optimizer step)
+    follows the row-tokens (rows x budget): linear between the measured steps, in proportion beyond the longest. Both
+    scale with the parameters (a decode step reads every weight; the forwards and backward compute with each). The
+    own sampler's time: vLLM's is not measured on a GPU.
+    """
+    budgets, rollouts, steps = zip(*MEASURED_STEPS, strict=True)
+    scale = model.parameters / MEASURED_PARAMETERS
+    decode_s = np.interp(answer_tokens, budgets, [r / b for r, b in zip(rollouts, budgets, strict=True)])
+    row_tokens = [MEASURED_ROWS * b for b in budgets]
+    rest = [step - rollout for step, rollout in zip(steps, rollouts, strict=True)]
+    now = rows * answer_tokens
+    rest_s = np.interp(now, row_tokens, rest) if now <= row_tokens[-1] else now * rest[-1] / row_tokens[-1]
+    return StepTime(float(answer_tokens * decode_s * scale), float(rest_s * scale))
+
+
+def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
+    """`check --rehearse`'s estimate lines, one per stage from its measured (prompt, answer budget) tokens: the memory
+    on the GPU given, then the step's time on the measured one (`step_time`)."""
     base, lora, data = config["model"]["base"], config["model"].get("lora"), config["data"]
     targets = lora.get("target_modules", ALL_LINEAR) if lora else None
     model = shape(model_config, targets, lora.get("r", 0) if lora else 0)
@@ -147,4 +186,10 @@ def memory_lines(config: dict, stages: dict[int, tuple[int, int]], model_config,
             total = m.trainer_peak + share
             line += f"; total {total:.1f} of {gib:.1f} GiB" + (" (more than the GPU)" if total > gib else "")
         lines.append(line)
+    rows = data["batch_size"] * generations
+    lines.append(f"estimate (not measured; from steps measured on one H200, docs/SCALING.md) of a step's time, the own "
+                 f"sampler, {rows} answers each running to its budget:")  # fmt: skip
+    for n, (_, answer) in stages.items():
+        t = step_time(model, answer, rows)
+        lines.append(f"  {n} words: {t.step:.0f} s (rollout {t.rollout:.0f} s, update {t.rest:.0f} s)")
     return lines
