@@ -157,4 +157,6 @@ def test_the_3b_curriculum_rehearses_its_stages_on_the_engine_a_resume_and_an_ex
     assert "at 25 words, resumed" in out and "held-out evaluation at 10, 25 words: ok" in out and "exported to" in out
     assert "estimate (not measured; docs/SCALING.md's model) for the real model on" in out
     assert re.search(r"  25 words: trainer [\d.]+ GiB .*; vLLM [\d.]+ GiB, KV [\d.]+ of [\d.]+ GiB: at once", out)
+    assert "of a step's time, the own sampler, 64 answers each running to its budget:" in out  # 4 prompts x 16
+    assert re.search(r"\n  25 words: \d+ s \(rollout \d+ s, update \d+ s\)\n", out)
     assert not list(tmp_path.glob("lightning_logs")), "the rehearsal writes only in its own temporary folder"
