@@ -54,11 +54,12 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
                         help="the rollout from a merged copy of this dtype; its floor in it")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="the update under bf16-mixed; its floor in bfloat16")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward")
+    parser.add_argument("--micro-batch-size", type=harness.micro_batch, default=None,
+                        help="rows per update forward; default all (a floor has a known size, never auto)")  # fmt: skip
     ours = parser.parse_args(argv)
     levers = (["--lora"] if ours.lora else []) + (["--bf16"] if ours.bf16 else [])
     levers += ["--merged-copy", ours.merged_copy or "none"]  # a floor needs the dtype: never grpo_step's auto
-    levers += ["--micro-batch-size", str(ours.micro_batch_size)] if ours.micro_batch_size else []
+    levers += ["--micro-batch-size", str(ours.micro_batch_size or "all")]
     step = grpo_step.parse_args(["--words", str(ours.words), "--steps", str(ours.steps), "--warmup", str(ours.warmup),
                        "--prompts", str(ours.prompts), "--generations", str(ours.generations), "--beta",
                        str(ours.beta), "--model", ours.model, "--threads", str(ours.threads), "--template",

@@ -70,6 +70,7 @@ def measure(args: argparse.Namespace, words: int, cache_dir: str) -> dict:
     precision = "bf16-mixed" if args.bf16 else None
     harness.quiet_trainer(args.accelerator, precision, args.warmup + args.steps).fit(model, datamodule=data)
     report = harness.summarize([*records, harness.mark()], args.warmup, max(r["width"] for r in records))
+    report["micro_batch_size"] = model.micro_batch_size  # the rows a forward the update took (auto: what it chose)
     if torch.cuda.is_available() and args.accelerator != "cpu":
         report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         report["peak_gpu_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
@@ -87,7 +88,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-r", type=int, default=16)
     parser.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 skips the reference forward")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the automatic budget, as training")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="rows per update forward; default all")
+    parser.add_argument("--micro-batch-size", type=harness.micro_batch, default="auto",
+                        help="model.optimization.micro_batch_size: rows per update forward, all, or auto")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="model.rollout_engine")
     parser.add_argument("--merged-copy", choices=["auto", "float32", "bfloat16", "none"], default="auto",
                         help="model.sampling.merged_copy; none: sample from the policy")  # fmt: skip
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         "generations": args.generations,
         "lora": args.lora,
         "merged_copy": args.merged_copy,
+        "micro_batch_size": args.micro_batch_size,
         "beta": args.beta,
         "steps": args.steps,
         "warmup": args.warmup,

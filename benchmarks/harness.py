@@ -1,5 +1,6 @@
-"""What the benchmarks share: resident memory and time marks, the medians of a run's step records, a quiet Trainer, a
-parameter count in bytes, and model folders (random weights of a real shape, the tests' real-family fixtures).
+"""What the benchmarks share: resident memory and time marks, the medians of a run's step records, a quiet Trainer, the
+--micro-batch-size argument, a parameter count in bytes, and model folders (random weights of a real shape, the
+tests' real-family fixtures).
 
 Every benchmark imports it as a module (`import harness`), run from this folder as `python benchmarks/<name>.py`.
 Everything heavy (torch, lightning, transformers) is imported inside the functions, so that `vs_trl.py` can share the
@@ -40,6 +41,12 @@ def rss_mb() -> tuple[float, float]:
         return round(fields["VmRSS"], 1), round(fields["VmHWM"], 1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (2**20 if sys.platform == "darwin" else 2**10)
     return round(peak, 1), round(peak, 1)
+
+
+def micro_batch(value: str) -> int | str | None:
+    """A `--micro-batch-size` argument: a number of rows, "all" (None: every row at once) or "auto" (the fastest,
+    measured: `model.optimization.micro_batch_size: auto`)."""
+    return value if value == "auto" else None if value == "all" else int(value)
 
 
 def budget(words: int) -> int:

@@ -84,8 +84,7 @@ def command(framework: str, args: argparse.Namespace, workdir: Path, folder: Pat
         extra += ["--rollout-engine", args.rollout_engine]
         if args.rollout_engine == "vllm":
             extra += ["--kv-cache-mb", str(args.kv_cache_mb)]
-        extra += ["--micro-batch-size", str(args.micro_batch_size)] if args.micro_batch_size else []
-        extra += ["--merged-copy", args.merged_copy]
+        extra += ["--micro-batch-size", str(args.micro_batch_size or "all"), "--merged-copy", args.merged_copy]
         return [sys.executable, str(HERE / "grpo_step.py"), *shared, *extra]
     return [sys.executable, str(HERE / "vs_trl.py"), "--trl-worker", str(workdir / f"prompts_{words}.jsonl"), *shared]
 
@@ -206,7 +205,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="bf16 autocast in both: ours precision bf16-mixed, TRL's bf16=True")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="ours: model.rollout_engine")
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="ours with vLLM: its KV cache, MiB")
-    parser.add_argument("--micro-batch-size", type=int, default=None, help="ours: rows per update forward")
+    parser.add_argument("--micro-batch-size", type=harness.micro_batch, default="auto",
+                        help="ours: rows per update forward, all, or auto (grpo_step.py's default)")  # fmt: skip
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)

@@ -8,6 +8,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict
+from functools import partial
 from typing import Literal
 
 import lightning as L
@@ -50,6 +51,7 @@ from interleave_model.model.policy import (
 from interleave_model.model.shipped import resolve_model
 from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
+from interleave_model.runtime.fastest import fastest
 from interleave_model.settings import (
     GROUPS,
     TERMS,
@@ -151,6 +153,11 @@ class InterleaveGRPO(L.LightningModule):
         # here, so a resumed run samples as the interrupted one did, unless its command asks for another
         # (`resumed_temperature`)
         self.temperature = sampling.temperature
+        # rows per forward in the update and the supervised steps: the configured value, or with "auto" the fastest
+        # here, measured at the first GRPO step (`_fastest_micro_batch`) and checkpointed; one group a forward before
+        auto = optimization.micro_batch_size == "auto"
+        self.micro_batch_size = sampling.num_generations if auto else optimization.micro_batch_size
+        self._micro_batch_measured = not auto
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
         # load_from_checkpoint passes these back as the dicts hparams hold
@@ -264,9 +271,13 @@ class InterleaveGRPO(L.LightningModule):
         rng, path = self._generator(), self.base.name_or_path
         save_run_state(checkpoint, self.policy, path, rng, self.device, self.guard.skipped)
         checkpoint["temperature"] = self.temperature
+        if self.optimization.micro_batch_size == "auto" and self._micro_batch_measured:
+            checkpoint["micro_batch_size"] = self.micro_batch_size  # a resumed run takes what was measured
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.temperature = resumed_temperature(checkpoint, self.sampling.temperature)
+        if self.optimization.micro_batch_size == "auto" and "micro_batch_size" in checkpoint:
+            self.micro_batch_size, self._micro_batch_measured = checkpoint["micro_batch_size"], True
         state = checkpoint, self.policy, self.reference, self._generator, self.device
         self.guard.skipped, self.reference = restore_run_state(*state)
         self.sampler.weights_loaded()
@@ -316,6 +327,8 @@ class InterleaveGRPO(L.LightningModule):
         share, the reference member takes ``1 / (G + 1)`` and the samples the rest (LUFFY).
         """
         loss, kl, temperature, G = self.loss, self.kl, self.temperature, self.sampling.num_generations
+        if not self._micro_batch_measured:  # `optimization.micro_batch_size: auto`, at the first GRPO step
+            self._fastest_micro_batch(trajectory)
         started = time.perf_counter()
         mu = self._guidance_weight()
         grpo_weight = (1.0 - mu) * (1.0 if self.reference_in_group is None else samples_share(G))
@@ -338,7 +351,7 @@ class InterleaveGRPO(L.LightningModule):
         advantages = grpo.signed_advantages(trajectory.advantages, loss.advantage_sign)  # [N]
         optimizer = self.optimizers()
         optimizer.zero_grad()
-        for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
+        for rows in row_chunks(n_rows, self.micro_batch_size):
             ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
             logprobs, entropy = completion_logprobs(self.policy, ids, attention, trajectory.completion_ids[rows],
                                                     temperature, with_entropy=True, group_size=G)  # fmt: skip
@@ -394,6 +407,29 @@ class InterleaveGRPO(L.LightningModule):
         steps, g = self.global_step - self.grpo_start, self.guidance
         return guidance_weight(steps, g.weight, g.final, g.decay_steps)
 
+    def _fastest_micro_batch(self, trajectory: Trajectory) -> None:
+        """`optimization.micro_batch_size: auto`: the update's forward and backward on this step's rows, timed at one
+        group a forward, twice that, ... and all rows at once (`runtime.fastest`, the same on every rank); the
+        fastest is kept for the run and said in one line. The probe's gradients are dropped: the update that follows
+        is the one it would be with that size set."""
+        G, n_rows = self.sampling.num_generations, trajectory.input_ids.shape[0]
+        sizes = [G * 2**k for k in range(n_rows.bit_length()) if G * 2**k < n_rows] + [None]
+        mask = trajectory.completion_mask.float()  # [N, C]
+
+        def update(size: int | None) -> None:
+            for rows in row_chunks(n_rows, size):
+                ids, attention = trajectory.input_ids[rows], trajectory.attention_mask[rows]
+                logprobs, _ = completion_logprobs(self.policy, ids, attention, trajectory.completion_ids[rows],
+                                                  self.temperature, with_entropy=True, group_size=G)  # fmt: skip
+                self.manual_backward((logprobs * mask[rows]).sum())
+            self.optimizers().zero_grad(set_to_none=True)
+
+        chosen, seconds = fastest({size: partial(update, size) for size in sizes}, device=self.device)
+        self.micro_batch_size, self._micro_batch_measured = chosen, True
+        timed = ", ".join(f"{size or n_rows}: {s:.2f} s" for size, s in seconds.items())
+        rank_zero_info(f"model.optimization.micro_batch_size: auto takes {chosen or n_rows} rows a forward, the "
+                       f"fastest here (rows a forward: seconds of this step's update; {timed})")  # fmt: skip
+
     def _reference_member_backward(self, batch: dict, advantages: Tensor, weight: float) -> dict[str, float]:
         """Backward of `weight` times LUFFY's shaped loss on each prompt's known answer, whose advantage in its group
         is `advantages` ([P]); what it logs."""
@@ -411,7 +447,7 @@ class InterleaveGRPO(L.LightningModule):
         """Backward of `weight` times a loss of the policy's logits on the batch's known answers and their labels
         (the warm start's cross-entropy, guidance's phi-weighted one, LUFFY's shaped loss); the loss's value.
 
-        Taken `optimization.micro_batch_size` rows at a time, as the update is: `loss_of(logits, labels)` of each
+        Taken `micro_batch_size` rows at a time, as the update is: `loss_of(logits, labels)` of each
         chunk counts by its share of the batch's target tokens (a mean over tokens, the cross-entropies); with
         `per_row` ([B], LUFFY's advantages), `loss_of(logits, labels, per_row[rows])` counts by its share of the rows
         (a mean over rows), so the gradient is the whole batch's. All rows at once would hold all their
@@ -421,7 +457,7 @@ class InterleaveGRPO(L.LightningModule):
         counted = labels != -100  # [B, T]
         n_rows, n_tokens = labels.shape[0], counted.sum().clamp(min=1)
         total = 0.0
-        for rows in row_chunks(n_rows, self.optimization.micro_batch_size):
+        for rows in row_chunks(n_rows, self.micro_batch_size):
             logits = completion_logits(self.policy, input_ids[rows], attention_mask[rows], width=labels.shape[1])
             if per_row is None:
                 loss = loss_of(logits, labels[rows]) * (counted[rows].sum() / n_tokens).item()  # logits [b, T, V]
@@ -488,7 +524,7 @@ class InterleaveGRPO(L.LightningModule):
 
     def _logprobs(self, model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor):
         temperature, G = self.temperature, self.sampling.num_generations
-        size = self.optimization.micro_batch_size
+        size = self.micro_batch_size
         return chunked_completion_logprobs(model, input_ids, attention_mask, completion_ids, temperature, size, G)
 
     def _reference_logprobs(self, input_ids: Tensor, attention_mask: Tensor, completion_ids: Tensor) -> Tensor:

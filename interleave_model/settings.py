@@ -276,7 +276,10 @@ class Optimization:
             phases: `InterleaveGRPO.phases`).
         max_grad_norm: Gradient clipping norm; 0 disables.
         micro_batch_size: Rows per forward in the update and in the supervised steps (the warm start, guidance's
-            term): gradient accumulation inside a step, the same gradient; None = all rows.
+            term): gradient accumulation inside a step, the same gradient; None = all rows. "auto": at the first GRPO
+            step, the update's forward and backward are timed on that step's rows at one group a forward
+            (`sampling.num_generations` rows), twice that, and so on, and all rows at once; the fastest is kept for
+            the run and said in one line (`InterleaveGRPO.micro_batch_size`). Steps before it take one group.
     """
 
     learning_rate: float = 1e-5
@@ -285,7 +288,13 @@ class Optimization:
     warmup_steps: int = 0
     lr_schedule: LrSchedule = "cosine"
     max_grad_norm: float = 1.0
-    micro_batch_size: int | None = None
+    micro_batch_size: int | Literal["auto"] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.micro_batch_size, int) and self.micro_batch_size < 1:
+            raise SettingsError(
+                f"model.optimization.micro_batch_size must be null, auto or >= 1, got {self.micro_batch_size}"
+            )
 
 
 @dataclass

@@ -15,8 +15,8 @@ attention with options it does not implement (soft-capping, sinks) go to transfo
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -26,6 +26,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import is_peft
+from interleave_model.runtime.fastest import fastest
 
 GROUPED_DECODE = "grouped_decode"  # the attention implementation the copy runs under (masks built as for SDPA)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -175,25 +176,9 @@ def fastest_copy(
     policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], repeats: int = 2
 ) -> tuple[MergedCopy, dict[str, float]]:
     """The merged copy, float32 or bfloat16, whose `draw` (a short rollout) takes the least wall time on this
-    machine, and each dtype's seconds (the best of `repeats` draws, the first one a warm-up left out when more).
-
-    Which is faster depends on the machine more than on its flags (one Intel host decoded faster in float32, another
-    in bfloat16), so it is measured. Under torch.distributed the ranks' times are summed first, so every rank keeps
-    the same dtype.
-    """
-    seconds, copies = {}, {}
-    for dtype in DTYPES:
-        merged = MergedCopy(policy, dtype)
-        model = merged.refresh(None)
-        times = []
-        for _ in range(repeats):
-            began = time.perf_counter()
-            draw(model)
-            times.append(time.perf_counter() - began)
-        seconds[dtype], copies[dtype] = min(times[1:] or times), merged
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        device = next(policy.parameters()).device
-        summed = torch.tensor(list(seconds.values()), dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(summed)
-        seconds = dict(zip(seconds, summed.tolist(), strict=True))
-    return copies[min(seconds, key=seconds.get)], seconds
+    machine, and each dtype's seconds (`runtime.fastest.fastest`: the same dtype on every rank)."""
+    copies = {dtype: MergedCopy(policy, dtype) for dtype in DTYPES}
+    models = {dtype: merged.refresh(None) for dtype, merged in copies.items()}
+    device = next(policy.parameters()).device
+    chosen, seconds = fastest({dtype: partial(draw, model) for dtype, model in models.items()}, repeats, device)
+    return copies[chosen], seconds

@@ -170,7 +170,8 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
     utilization = (config["model"].get("vllm") or {}).get("gpu_memory_utilization", VllmSettings.gpu_memory_utilization)
     share = utilization * gib if vllm else None
     generations = config["model"]["sampling"]["num_generations"]
-    rows = config["model"]["optimization"].get("micro_batch_size") or data["batch_size"] * generations  # None: all
+    rows = config["model"]["optimization"].get("micro_batch_size")  # None: all rows; auto: all at most
+    rows = data["batch_size"] * generations if rows in (None, "auto") else rows
     lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
     for n, (prompt, answer) in stages.items():
         m = step_memory(model, prompt, answer, data["batch_size"], generations, rows,

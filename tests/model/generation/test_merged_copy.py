@@ -156,7 +156,7 @@ def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(m
 def test_the_fastest_copy_is_the_dtype_whose_rollout_took_least(lora_policy, monkeypatch, slow):
     policy, _, _ = lora_policy
     now = [0.0]  # a clock that only the draws move: the slow dtype's draw takes 5 s, the other's 1 s
-    monkeypatch.setattr("interleave_model.generation.merged_copy.time.perf_counter", lambda: now[0])
+    monkeypatch.setattr("interleave_model.runtime.fastest.time.perf_counter", lambda: now[0])
     drawn = []
 
     def draw(model):
