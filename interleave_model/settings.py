@@ -161,15 +161,17 @@ class Loss:
 
     Args:
         epsilon: Lower clip of the ratio (1 - epsilon).
-        epsilon_high: Upper clip (1 + epsilon_high), "clip-higher"; None means epsilon.
+        epsilon_high: Upper clip (1 + epsilon_high), DAPO's "clip-higher" (Yu et al., arXiv 2503.14476); None means
+            epsilon.
         num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
-        loss_type: "grpo" (sequence mean), "dr_grpo" (constant normaliser) or "dapo" (token level: the tokens of all
-            ranks).
+        loss_type: "grpo" (sequence mean, Shao et al., arXiv 2402.03300), "dr_grpo" (constant normaliser, Liu et al.,
+            arXiv 2503.20783) or "dapo" (token level: the tokens of all ranks, arXiv 2503.14476); TRL's names.
         max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
             None means `sampling.max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's
             longest completion would reweight every token by how long its batch happened to run.
-        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO).
-        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out).
+        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO); TRL's.
+        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out; Ahmadian et al., arXiv
+            2402.14740, TRL's RLOO trainer).
         advantage_sign: "both" (GRPO); "positive" keeps only the completions above their baseline (positive sample
             reinforcement, PSR), "negative" only those below it (negative sample reinforcement, NSR; Zhu et al.,
             arXiv 2506.01347): the others get advantage 0.
