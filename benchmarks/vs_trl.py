@@ -228,6 +228,8 @@ def compare(runs: dict[str, list[dict]]) -> dict:
         }
         for fw, rs in runs.items()
     }
+    # the rows a forward each of our rounds took (`auto`: what it measured as the fastest there)
+    medians["ours"]["micro_batch_sizes"] = [r.get("micro_batch_size") for r in runs["ours"]]
     ours, trl = medians["ours"], medians["trl"]
 
     def ratio(key: str) -> float:
