@@ -145,9 +145,6 @@ LOSS_MOVED = {
 }
 
 
-_REFERENCE = "reference_in_group"
-
-
 def _a_group(key: str, value: Any) -> bool:
     """Whether a hyperparameter named like an old flat switch is today's group of that name (a dict, or None)."""
     return key in {group for group, _ in LOSS_MOVED.values()} and (value is None or isinstance(value, dict))
@@ -161,12 +158,17 @@ def _terms_out_of_loss(hparams: dict[str, Any]) -> dict[str, Any]:
         return hparams
     moved = {name: value for name, value in loss.items() if name in LOSS_MOVED}
     out = dict(hparams) | {"loss": {name: value for name, value in loss.items() if name not in LOSS_MOVED}}
-    groups: dict[str, dict[str, Any]] = {"kl": {}, "guidance": {}, "reference_in_group": {}}
+    groups: dict[str, dict[str, Any]] = {group: {} for group, _ in LOSS_MOVED.values()}
     for name, value in moved.items():
         group, field = LOSS_MOVED[name]
         if field is not None:
             groups[group][field] = value
-    on = {"kl": True, "guidance": (moved.get("guidance") or 0.0) > 0, "reference_in_group": moved.get(_REFERENCE)}
+    # the old switches: a guidance weight of 0 and reference_in_group false were the terms off; the KL is a group always
+    on = {
+        "kl": True,
+        "guidance": (moved.get("guidance") or 0.0) > 0,
+        "reference_in_group": moved.get("reference_in_group"),
+    }
     for group, values in groups.items():
         out.setdefault(group, values if on[group] else None)
     return out
@@ -283,8 +285,8 @@ def check_moved_keys(args: Iterable[str]) -> None:
             continue  # the CLI's parser reports a file it cannot read
         model = config.get("model") if isinstance(config, dict) else None
         model = model.get("init_args", model) if isinstance(model, dict) else None
-        keys = [key for key in model or ()]
-        keys += [f"loss.{name}" for name in ((model or {}).get("loss") or {}) if isinstance(model["loss"], dict)]
-        for key in keys:
+        model = model if isinstance(model, dict) else {}
+        loss = model.get("loss")
+        for key in [*model, *(f"loss.{name}" for name in (loss if isinstance(loss, dict) else ()))]:
             if key in moved:
                 raise MovedKeyError(f"{path}: model.{key} is now model.{moved[key]}")

@@ -69,7 +69,6 @@ from interleave_model.settings import (
     VllmSettings,
     as_group,
     check_groups,
-    optional_group,
     typed,
 )
 
@@ -138,8 +137,8 @@ class InterleaveGRPO(L.LightningModule):
         # fresh copies (the defaults are shared); a checkpoint's are dicts
         base, sampling, loss = as_group(Base, base), as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
-        self.kl, self.guidance = as_group(Kl, kl), optional_group(Guidance, guidance)
-        self.reference_in_group = optional_group(ReferenceInGroup, reference_in_group)
+        self.kl, self.guidance = as_group(Kl, kl), typed(Guidance, guidance)
+        self.reference_in_group = typed(ReferenceInGroup, reference_in_group)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
         check_groups(sampling, loss, self.reference_in_group, self.dynamic_sampling)
         self.save_hyperparameters(ignore=["rewards"])

@@ -497,11 +497,6 @@ def check_groups(
         raise SettingsError("model.reference_in_group needs model.dynamic_sampling off: refills change groups")
 
 
-def optional_group(cls: type, value: Any) -> Any:
-    """An optional group's settings as a fresh instance of `cls` (from an instance or a checkpoint's dict), or None."""
-    return None if value is None else as_group(cls, value)
-
-
 def typed(cls: type, value: Any) -> Any:
     """Settings as `cls` (a dataclass): a dict, as a loaded checkpoint's hyperparameters hold them, becomes one."""
     return cls(**value) if isinstance(value, dict) else value

@@ -170,8 +170,9 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
     utilization = (config["model"].get("vllm") or {}).get("gpu_memory_utilization", VllmSettings.gpu_memory_utilization)
     share = utilization * gib if vllm else None
     generations = config["model"]["sampling"]["num_generations"]
+    answers = data["batch_size"] * generations  # the rows of a step
     rows = config["model"]["optimization"].get("micro_batch_size")  # None: all rows; auto: all at most
-    rows = data["batch_size"] * generations if rows in (None, "auto") else rows
+    rows = answers if rows in (None, "auto") else rows
     lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
     for n, (prompt, answer) in stages.items():
         m = step_memory(model, prompt, answer, data["batch_size"], generations, rows,
@@ -187,10 +188,9 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
             total = m.trainer_peak + share
             line += f"; total {total:.1f} of {gib:.1f} GiB" + (" (more than the GPU)" if total > gib else "")
         lines.append(line)
-    rows = data["batch_size"] * generations
     lines.append(f"estimate (not measured; from steps measured on one H200, docs/SCALING.md) of a step's time, the own "
-                 f"sampler, {rows} answers each running to its budget:")  # fmt: skip
+                 f"sampler, {answers} answers each running to its budget:")  # fmt: skip
     for n, (_, answer) in stages.items():
-        t = step_time(model, answer, rows)
+        t = step_time(model, answer, answers)
         lines.append(f"  {n} words: {t.step:.0f} s (rollout {t.rollout:.0f} s, update {t.rest:.0f} s)")
     return lines
