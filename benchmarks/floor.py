@@ -38,6 +38,15 @@ import harness
 from provenance import provenance
 
 
+def known_micro_batch(value: str) -> int | None:
+    """A `--micro-batch-size` of known size: a number of rows or "all"; "auto" is refused (the floor counts the
+    work of the size it names)."""
+    size = harness.micro_batch(value)
+    if size == "auto":
+        raise argparse.ArgumentTypeError("a floor needs a known size: a number of rows or all, not auto")
+    return size
+
+
 def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespace]:
     """This benchmark's arguments, and `grpo_step.py`'s for the step it runs."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -54,8 +63,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     parser.add_argument("--merged-copy", default=None, choices=["float32", "bfloat16"],
                         help="the rollout from a merged copy of this dtype; its floor in it")  # fmt: skip
     parser.add_argument("--bf16", action="store_true", help="the update under bf16-mixed; its floor in bfloat16")
-    parser.add_argument("--micro-batch-size", type=harness.micro_batch, default=None,
-                        help="rows per update forward; default all (a floor has a known size, never auto)")  # fmt: skip
+    parser.add_argument("--micro-batch-size", type=known_micro_batch, default=None,
+                        help="rows per update forward, or all (default); never auto")  # fmt: skip
     ours = parser.parse_args(argv)
     levers = (["--lora"] if ours.lora else []) + (["--bf16"] if ours.bf16 else [])
     levers += ["--merged-copy", ours.merged_copy or "none"]  # a floor needs the dtype: never grpo_step's auto

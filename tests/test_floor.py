@@ -67,3 +67,12 @@ def test_each_phase_is_floored_in_the_dtype_it_runs_in_and_the_step_gets_the_lev
                            rollout_weight_bytes=3000)  # fmt: skip
     assert own["rollout_bytes"] == 3 * 6000 and copy["rollout_bytes"] == 3 * 3000  # a copy's bytes once a step
     assert copy["rollout_flops"] == own["rollout_flops"]
+
+
+def test_a_floor_refuses_a_measured_micro_batch_in_one_line():
+    command = [sys.executable, "benchmarks/floor.py", "--model", "tiny", "--micro-batch-size", "auto"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "a floor needs a known size" in done.stderr.strip().splitlines()[-1]
+    assert floor.parse(["--micro-batch-size", "8"])[0].micro_batch_size == 8
+    assert floor.parse(["--micro-batch-size", "all"])[0].micro_batch_size is None
