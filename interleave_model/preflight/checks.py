@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from lightning.pytorch.utilities import rank_zero_warn
-
 from interleave_data.corpus import first_line
 from interleave_data.prompts import format_prompt
 from interleave_model.evaluation.alignment import align
@@ -19,6 +17,7 @@ from interleave_model.generation.rollout import decode
 from interleave_model.model.policy import PolicyError
 from interleave_model.preflight import token_counts
 from interleave_model.preflight.token_counts import Longest
+from interleave_model.runtime.machine import warn
 
 
 class StageFit(NamedTuple):
@@ -51,7 +50,7 @@ def preflight(module, datamodule, stage: str = "fit") -> list[StageFit]:
         check_fit(fit)
     check_round_trip(module.tokenizer, [e.target for n in served for e in _examples(datamodule, n)])
     for line in few_texts(datamodule, served):
-        rank_zero_warn(line)
+        warn(line)  # one `warning:` line, not Python's two with a source path
     return fits
 
 

@@ -209,3 +209,16 @@ def test_held_out_pairs_from_few_texts_are_named_per_length_and_split(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["the 500-word val pairs come from 3 texts"] + [
         "the 500-word test pairs come from 3 texts"
     ]
+
+
+def test_few_held_out_texts_warn_in_one_line_each_on_stderr(llama3_module, make_datamodule, capsys, monkeypatch):
+    from interleave_model.preflight import checks
+
+    lines = ["the 8-word val pairs come from 3 texts: add texts", "the 8-word test pairs come from 4 texts: add texts"]
+    monkeypatch.setattr(checks, "few_texts", lambda datamodule, served: lines if served == [4, 8] else [])
+    dm = make_datamodule(llama3_module.tokenizer)
+    capsys.readouterr()
+
+    preflight(llama3_module, dm)
+
+    assert capsys.readouterr().err.splitlines() == [f"warning: {line}" for line in lines]
