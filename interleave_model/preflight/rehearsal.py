@@ -45,10 +45,10 @@ def shrink(name_or_path: str, folder: Path, seed: int = 0) -> Path:
     for key, value in SHRINK.items():
         if getattr(config, key, None) is not None:
             setattr(config, key, value)
-    config.torch_dtype = torch.float32
+    config.dtype = torch.float32
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     try:
         model.generation_config = GenerationConfig.from_pretrained(name_or_path)
     except OSError:  # a folder without generation_config.json: the model config's own
