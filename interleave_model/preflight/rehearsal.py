@@ -136,7 +136,7 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     if reached != stages[-1]:
         raise RuntimeError(f"the rehearsal's fit ended at the {reached}-word stage, not at the last ({stages[-1]})")
     checkpoint = Path(cli.trainer.log_dir) / "checkpoints" / "rehearsal.ckpt"
-    cli.trainer.save_checkpoint(checkpoint)
+    cli.trainer.save_checkpoint(checkpoint, weights_only=False)  # the full state: the resume reads it
     saved_step = cli.trainer.global_step
     lines = [f"rehearsal: {model} ({'the embedded tiny model' if name == TINY else f'{name} shrunk'}), on a CPU"]
     lines += [f"rehearsal: {n} words: {first.steps[n]} GRPO steps, {first.seconds[n] / first.steps[n]:.1f} s each"
