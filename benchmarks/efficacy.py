@@ -96,7 +96,7 @@ def warm_start(overlay: str, configs: list[str], extra: list[str], seed: int, fo
             with replacing(path.with_suffix(".json")) as tmp:
                 tmp.write_text(json.dumps(reached))
             with replacing(path) as tmp:  # the checkpoint last: a kill leaves no warm start that looks whole
-                cli.trainer.save_checkpoint(tmp, weights_only=False)  # the full state, said
+                cli.trainer.save_checkpoint(tmp, weights_only=False)  # the full state
     return str(path), {"warm": overlay, "checkpoint": str(path)} | json.loads(path.with_suffix(".json").read_text())
 
 
