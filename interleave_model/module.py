@@ -189,9 +189,14 @@ class InterleaveGRPO(L.LightningModule):
         """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too.
 
         Its flat settings (`temperature`, `eval_num_samples`, ...) go into their groups (`legacy.checkpoint_groups`);
-        keyword arguments still win.
+        keyword arguments still win. A LoRA checkpoint leaves out the frozen base, which comes from its folder:
+        Lightning's warning that lists those weights as missing is left out too (`on_load_checkpoint` checks every
+        key instead).
         """
-        return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
+            kwargs = checkpoint_groups(checkpoint_path) | kwargs
+            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     # ---------------------------------------------------------------- the phases
 

@@ -1,5 +1,7 @@
 """LoRA on a base from disk: checkpoints hold the adapter, not the frozen base, and every way of loading them works."""
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -7,6 +9,7 @@ import torch
 from interleave_model.model.checkpoint import BASE_OMITTED
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import LoraSettings, PolicyError
+from interleave_model.module import InterleaveGRPO
 
 LORA = LoraSettings(r=4, alpha=8, dropout=0.0)
 
@@ -54,6 +57,12 @@ def test_it_loads_back_into_the_same_weights_by_every_route(lora_run, tmp_path):
     for other in (exported, initialised):
         for key, value in other.state_dict().items():
             torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the base's weights, left out by design, are no warning
+        loaded = InterleaveGRPO.load_from_checkpoint(path)  # the benchmarks' route
+    for key, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, trained[key], rtol=0, atol=0, msg=key)
 
     resumed = make()  # fit --ckpt_path route: Lightning restores with the module's strict_loading
     trainer = _trainer(tmp_path, steps=4)
