@@ -13,13 +13,14 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from interleave_data.curriculum import Curriculum, Decision, StepCounts
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.model.export import export
 from interleave_model.run.runs import run_dir
+from interleave_model.runtime.machine import warn
 
 
 class CurriculumCallback(L.Callback):
@@ -135,7 +136,7 @@ class CurriculumCallback(L.Callback):
         if decision.temperature is not None:  # the one place the rollout temperature changes (the module owns it)
             pl_module.temperature = decision.temperature
         if decision.kind == "stop":
-            rank_zero_warn(self.curriculum.state.stopped)
+            warn(self.curriculum.state.stopped)  # one `warning:` line on stderr
         if decision.stop:
             trainer.should_stop = True
         self._announce(f"curriculum {decision.message}" if decision.message else "", trainer)

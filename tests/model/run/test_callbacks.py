@@ -236,7 +236,7 @@ def test_collapse_steps_back_a_stage_and_stops_at_the_first(tmp_path):
     assert [h["kind"] for h in cb.curriculum.state.history] == ["advance", "step_back", "stop"]
 
 
-def test_collapse_stop_response(tmp_path):
+def test_collapse_stop_response(tmp_path, capsys):
     trainer = _Trainer(tmp_path)
     cb = _curriculum(trainer, collapse_patience=3, on_collapse="stop")
 
@@ -244,6 +244,7 @@ def test_collapse_stop_response(tmp_path):
         trainer.batch([cb], [STUCK], [4])
 
     assert trainer.should_stop and "on_collapse is 'stop'" in cb.curriculum.state.stopped
+    assert capsys.readouterr().err.splitlines() == [f"warning: {cb.curriculum.state.stopped}"]  # one line, no source
 
 
 def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
