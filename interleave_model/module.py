@@ -38,7 +38,12 @@ from interleave_model.evaluation.evaluator import Evaluator, logged_values, pred
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
 from interleave_model.legacy import checkpoint_groups, configured_temperature, old_paths, stored_temperature
-from interleave_model.model.checkpoint import load_initial_weights, restore_run_state, save_run_state
+from interleave_model.model.checkpoint import (
+    frozen_weight_keys,
+    load_initial_weights,
+    restore_run_state,
+    save_run_state,
+)
 from interleave_model.model.policy import (
     as_reference,
     base_from_disk,
@@ -189,14 +194,19 @@ class InterleaveGRPO(L.LightningModule):
         """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too.
 
         Its flat settings (`temperature`, `eval_num_samples`, ...) go into their groups (`legacy.checkpoint_groups`);
-        keyword arguments still win. A LoRA checkpoint leaves out the frozen base, which comes from its folder:
-        Lightning's warning that lists those weights as missing is left out too (`on_load_checkpoint` checks every
-        key instead).
+        keyword arguments still win.
         """
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="Found keys that are in the model state dict but not in the")
-            kwargs = checkpoint_groups(checkpoint_path) | kwargs
-            return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
+        return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """`nn.Module.load_state_dict`; a non-strict load (LoRA on a base from disk) does not report the base's frozen
+        weights as missing: they come from its folder, and a LoRA checkpoint leaves them out by design (Lightning
+        warns of every missing key it is told of; a missing trainable weight is still told)."""
+        keys = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        if not strict:
+            frozen = frozen_weight_keys(self.policy, prefix="policy.")
+            keys.missing_keys[:] = [key for key in keys.missing_keys if key not in frozen]
+        return keys
 
     # ---------------------------------------------------------------- the phases
 
