@@ -57,8 +57,10 @@ from interleave_model.model.shipped import resolve_model
 from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
 from interleave_model.runtime.fastest import fastest
+from interleave_model.runtime.machine import warn
 from interleave_model.settings import (
     GROUPS,
+    K1_WARNING,
     TERMS,
     Base,
     DynamicSampling,
@@ -143,6 +145,8 @@ class InterleaveGRPO(L.LightningModule):
         base, sampling, loss = as_group(Base, base), as_group(Sampling, sampling), as_group(Loss, loss)
         optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
         self.kl, self.guidance = as_group(Kl, kl), typed(Guidance, guidance)
+        if self.kl.wasted:
+            warn(K1_WARNING)
         self.reference_in_group = typed(ReferenceInGroup, reference_in_group)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
         check_groups(sampling, loss, self.reference_in_group, self.dynamic_sampling)

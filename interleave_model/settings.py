@@ -46,8 +46,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from lightning.pytorch.utilities import rank_zero_warn
-
 # The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
 KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
@@ -201,7 +199,7 @@ class Kl:
     Args:
         beta: The coefficient; 0 skips the reference's forward entirely.
         estimator: "k1", "k2" or "k3" (`kl.kl_divergence`). As a loss term k1's expected gradient is zero, so
-            `beta > 0` with k1 warns.
+            `beta > 0` with k1 warns (`K1_WARNING`) when the module is built.
     """
 
     beta: float = 0.04
@@ -210,11 +208,16 @@ class Kl:
     def __post_init__(self) -> None:
         if self.beta < 0:
             raise SettingsError(f"model.kl.beta must be >= 0, got {self.beta}")
-        if self.estimator == "k1" and self.beta > 0:
-            rank_zero_warn(
-                "model.kl.estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; "
-                "use k3 (or k2)"
-            )
+
+    @property
+    def wasted(self) -> bool:
+        """True where beta > 0 buys nothing: as a loss term, k1's expected gradient is zero."""
+        return self.beta > 0 and self.estimator == "k1"
+
+
+K1_WARNING = (
+    "model.kl.estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; use k3 (or k2)"
+)
 
 
 @dataclass
