@@ -81,11 +81,29 @@ class EndOfWarmStart(L.Callback):
             trainer.should_stop = True
 
 
+# Arguments that say where a run writes and how it shows progress, never what it learns: the warm start trains in a
+# folder of its own whatever they say, so arms with their own run folders share it.
+NOT_SHAPING = ("--trainer.default_root_dir", "--trainer.enable_progress_bar")
+
+
+def shaping_arguments(extra: list[str]) -> list[str]:
+    """`extra` without the `NOT_SHAPING` options and their values (`--key value` or `--key=value`)."""
+    kept, skip = [], False
+    for argument in extra:
+        if skip:
+            skip = False
+        elif argument in NOT_SHAPING:
+            skip = True
+        elif argument.split("=", 1)[0] not in NOT_SHAPING:
+            kept.append(argument)
+    return kept
+
+
 def warm_start(overlay: str, configs: list[str], extra: list[str], seed: int, folder: Path) -> tuple[str, dict]:
     """The warm start of `seed`: the base `configs` and `overlay` trained to the end of their supervised steps, saved
     in `folder` under a digest of everything that shapes it; reused when there. Its checkpoint and what it reached."""
     files = [*configs, overlay]
-    shaping = {"configs": [Path(f).read_text() for f in files], "extra": extra, "seed": seed}
+    shaping = {"configs": [Path(f).read_text() for f in files], "extra": shaping_arguments(extra), "seed": seed}
     digest = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:12]
     path = folder / f"warm-{Path(overlay).stem}-{seed}-{digest}.ckpt"
     if not path.exists():

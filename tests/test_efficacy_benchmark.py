@@ -31,6 +31,15 @@ def _arm(tmp_path: Path) -> list[str]:
             "--out", str(tmp_path / "arms.jsonl"), f"--trainer.default_root_dir={tmp_path}"]  # fmt: skip
 
 
+def test_the_warm_start_digest_ignores_where_runs_write_and_how_they_show(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as running the script puts its folder first
+    from efficacy import shaping_arguments
+
+    extra = ["--trainer.default_root_dir", "/runs/a", "--model.seed", "3", "--trainer.enable_progress_bar=false"]
+    assert shaping_arguments(extra) == ["--model.seed", "3"]
+    assert shaping_arguments(["--trainer.default_root_dir=/runs/b", "--data.val_pairs=8"]) == ["--data.val_pairs=8"]
+
+
 def _run(command: list[str]) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -99,7 +108,9 @@ def test_arms_share_a_warm_start_built_once_and_a_supervised_arm_counts_its_minu
     _run([*command, "--arms", grpo, sft])
     (saved,) = (tmp_path / "warm").glob("*.ckpt")
     built = saved.stat().st_mtime_ns
-    _run([*command, "--arms", sft, "--seeds", "0", "--minutes", "1e-6"])  # its clock ends it after one batch
+    # its clock ends it after one batch; another run folder and no progress bar do not shape the warm start
+    _run([*command, "--arms", sft, "--seeds", "0", "--minutes", "1e-6", "--trainer.default_root_dir",
+          str(tmp_path / "elsewhere"), "--trainer.enable_progress_bar=false"])  # fmt: skip
 
     first, second, again = (json.loads(line) for line in (tmp_path / "arms.jsonl").read_text().splitlines())
     assert [a["arm"] for a in (first, second, again)] == ["grpo", "sft", "sft"]
