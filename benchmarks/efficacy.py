@@ -8,7 +8,8 @@ every run's command line as they are (`--data.val_pairs 32`).
 
 The start is a checkpoint or model folder (`--start`), or a warm start built per seed by a run of its own
 (`--warm OVERLAY`: the base config and that overlay, ended at its last supervised step), kept in `--warm-dir` under a
-digest of its configs, arguments and seed, so later processes reuse it. From the start's weights each arm tests the
+digest of its configs, arguments and seed, so later processes reuse it; the start's test is kept there too, shared by
+arms that differ only in how they train (`TRAINING_ONLY`). From the start's weights each arm tests the
 held-out pairs at every evaluation length with greedy answers and `--samples` sampled ones (pass@1 and pass@k: an
 answer counts from the schedule's success level; at `--sample-lengths` only, when given), trains until `--minutes`
 of training (evaluations left out; `--clock cpu` counts this process's CPU time; the minutes count GRPO steps, or
@@ -38,8 +39,9 @@ from pathlib import Path
 import harness
 import lightning as L
 import torch
+import yaml
 from clock import Clock, binned, held_out_scores
-from provenance import provenance
+from provenance import STARTED_AT, provenance
 
 from cli import main
 from interleave_data.atomic import replacing
@@ -118,6 +120,46 @@ def warm_start(overlay: str, configs: list[str], extra: list[str], seed: int, fo
     return str(path), {"warm": overlay, "checkpoint": str(path)} | json.loads(path.with_suffix(".json").read_text())
 
 
+# An arm overlay's settings that shape its training only, never its start's test (the held-out pairs, the lengths,
+# the answers, and the success level pass@k counts from): arms that differ in these alone share the start's test.
+TRAINING_ONLY = {
+    "trainer": ("logger", "max_steps", "val_check_interval"),
+    "model": ("optimization", "loss", "kl"),
+    "data": ("replay_fraction",),
+    "data.curriculum": ("patience", "min_steps", "window", "val_threshold", "stop_when_done", "on_collapse"),
+    "data.curriculum.adaptive": ("target", "step", "sensitivity", "replay_spread"),
+}
+
+
+def test_shaping(overlay: dict) -> dict:
+    """`overlay` (a parsed config) without its `TRAINING_ONLY` settings."""
+    kept = json.loads(json.dumps(overlay))
+    for group, keys in TRAINING_ONLY.items():
+        node = kept
+        for part in group.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        for key in keys if isinstance(node, dict) else ():
+            node.pop(key, None)
+    return kept
+
+
+def start_test(args, configs: list[str], start: str | None, seed: int, extra: list[str], run) -> dict:
+    """The start's test (`run()`), kept in `--warm-dir` under a digest of everything that shapes it and reused there,
+    with the commit that ran it: an arm's own training settings (`TRAINING_ONLY`) are left out of the digest."""
+    if not args.warm_dir:
+        return {"scores": run(), "commit": STARTED_AT}
+    shaping = {"start": start, "seed": seed, "configs": [Path(f).read_text() for f in configs[:-1]],
+               "arm": test_shaping(yaml.safe_load(Path(configs[-1]).read_text()) or {}),
+               "extra": shaping_arguments(extra), "test_pairs": args.test_pairs, "samples": args.samples,
+               "sample_lengths": args.sample_lengths}  # fmt: skip
+    digest = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:12]
+    path = Path(args.warm_dir) / f"start-test-{seed}-{digest}.json"
+    if not path.exists():
+        with replacing(path) as tmp:
+            tmp.write_text(json.dumps({"scores": run(), "commit": STARTED_AT}))
+    return json.loads(path.read_text())
+
+
 def seeded(seed: int) -> list[str]:
     return ["--seed_everything", str(seed), "--data.seed", str(seed)]
 
@@ -133,7 +175,9 @@ def run_arm(args, configs: list[str], start: str | None, seed: int, extra: list[
 
     clock = Clock(args.minutes, cpu=args.clock == "cpu", stop_file=args.stop_file)
     if not args.resume:  # the start's test, kept in the clock's state: a resumed arm finds it in its checkpoint
-        clock.extra["test_start"] = tested(main(["test", *common], callbacks=[sampling]).model)
+        test = start_test(args, configs, start, seed, extra,
+                          lambda: tested(main(["test", *common], callbacks=[sampling]).model))  # fmt: skip
+        clock.extra["test_start"], clock.extra["test_start_commit"] = test["scores"], test["commit"]
     cli = main(["fit", *common, *(["--ckpt_path", "last"] if args.resume else [])], callbacks=[clock, sampling])
     module, dm, curriculum = cli.model, cli.datamodule, cli.datamodule.curriculum
     end_training = {"steps": cli.trainer.global_step, "training_minutes": round(clock.seconds() / 60, 1)}
@@ -146,7 +190,8 @@ def run_arm(args, configs: list[str], start: str | None, seed: int, extra: list[
         "done": curriculum.done, "stopped": curriculum.state.stopped,
         "transitions": [{k: h[k] for k in ("kind", "from_words", "to_words", "global_step")}
                         for h in curriculum.state.history],
-        "test_start": clock.extra["test_start"], "test_end": tested(module), "curve": clock.curve,
+        "test_start": clock.extra["test_start"], "test_start_commit": clock.extra.get("test_start_commit"),
+        "test_end": tested(module), "curve": clock.curve,
         "sample_lengths": args.sample_lengths, "bin_batches": args.bin, **binned(clock.batches, args.bin, BATCH_KEYS),
     }  # fmt: skip
 
@@ -159,7 +204,7 @@ def main_() -> None:
     start = parser.add_mutually_exclusive_group()
     start.add_argument("--start", default=None, help="weights to start from: a .ckpt or model folder; no warm-start")
     start.add_argument("--warm", default=None, help="an overlay whose run, per seed, makes the start (supervised)")
-    parser.add_argument("--warm-dir", default=None, help="keep warm starts here and reuse them (default: a temp dir)")
+    parser.add_argument("--warm-dir", default=None, help="keep warm starts and start tests here (default: a temp dir)")
     parser.add_argument("--minutes", type=float, default=90.0, help="training budget, evaluations left out")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu")
     parser.add_argument("--threads", type=int, default=1)

@@ -40,6 +40,31 @@ def test_the_warm_start_digest_ignores_where_runs_write_and_how_they_show(monkey
     assert shaping_arguments(["--trainer.default_root_dir=/runs/b", "--data.val_pairs=8"]) == ["--data.val_pairs=8"]
 
 
+def test_arms_that_differ_only_in_how_they_train_share_the_start_test(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from efficacy import test_shaping
+
+    curriculum = {"patience": 5, "adaptive": {"success": 0.75, "target": 0.5}}
+    arm = {"trainer": {"logger": {"init_args": {"name": "a"}}, "precision": "bf16-mixed"},
+           "model": {"optimization": {"learning_rate": 1e-4}, "sampling": {"temperature": 1.0}},
+           "data": {"eval_stages": [5, 10], "curriculum": curriculum}}  # fmt: skip
+    other = yaml.safe_load(yaml.safe_dump(arm))
+    other["trainer"]["logger"]["init_args"]["name"] = "b"
+    other["model"]["optimization"]["learning_rate"] = 3e-5
+    other["data"]["curriculum"]["adaptive"]["target"] = 0.25
+    other["data"]["curriculum"]["patience"] = 9
+    assert test_shaping(arm) == test_shaping(other)
+    assert test_shaping(arm)["trainer"] == {"precision": "bf16-mixed"}  # numerics of the test stay in the digest
+    for key, value in [("success", 0.9), ("signal", "reward")]:  # what pass@k counts from
+        changed = yaml.safe_load(yaml.safe_dump(arm))
+        changed["data"]["curriculum"]["adaptive"][key] = value
+        assert test_shaping(changed) != test_shaping(arm)
+    changed = yaml.safe_load(yaml.safe_dump(arm))
+    changed["data"]["eval_stages"] = [5]
+    assert test_shaping(changed) != test_shaping(arm)
+    assert test_shaping({}) == {} and test_shaping({"model": None}) == {"model": None}
+
+
 def _run(command: list[str]) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -108,6 +133,8 @@ def test_arms_share_a_warm_start_built_once_and_a_supervised_arm_counts_its_minu
     _run([*command, "--arms", grpo, sft])
     (saved,) = (tmp_path / "warm").glob("*.ckpt")
     built = saved.stat().st_mtime_ns
+    tests = {path: path.stat().st_mtime_ns for path in (tmp_path / "warm").glob("start-test-*.json")}
+    assert len(tests) == 2, "the arms differ in supervised steps, which shape the test: one start test each"
     # its clock ends it after one batch; another run folder and no progress bar do not shape the warm start
     _run([*command, "--arms", sft, "--seeds", "0", "--minutes", "1e-6", "--trainer.default_root_dir",
           str(tmp_path / "elsewhere"), "--trainer.enable_progress_bar=false"])  # fmt: skip
@@ -117,6 +144,8 @@ def test_arms_share_a_warm_start_built_once_and_a_supervised_arm_counts_its_minu
     assert first["warm_start"] == second["warm_start"] == again["warm_start"]
     assert first["warm_start"]["steps"] == 3 and first["warm_start"]["checkpoint"] == str(saved)
     assert saved.stat().st_mtime_ns == built  # reused, not trained again
+    assert {path: path.stat().st_mtime_ns for path in tests} == tests  # the start test reused, not run again
+    assert again["test_start"] == second["test_start"] and again["test_start_commit"] == second["test_start_commit"]
     assert first["test_start"] == second["test_start"]  # both arms start from the same weights
     assert not first["supervised"] and first["words"]  # GRPO batches, counted
     assert second["supervised"] and again["supervised"] and second["steps"] == 3 and again["steps"] == 1
