@@ -145,8 +145,9 @@ def test_shaping(overlay: dict) -> dict:
 
 def start_test(args, configs: list[str], start: str | None, seed: int, extra: list[str], run) -> dict:
     """The start's test (`run()`), kept in `--warm-dir` under a digest of everything that shapes it and reused there,
-    with the commit that ran it: an arm's own training settings (`TRAINING_ONLY`) are left out of the digest."""
-    if not args.warm_dir:
+    with the commit that ran it: an arm's own training settings (`TRAINING_ONLY`) are left out of the digest. Only a
+    warm start's test is kept: its path names its digest, where a `--start` path may hold other weights later."""
+    if not (args.warm and args.warm_dir):
         return {"scores": run(), "commit": STARTED_AT}
     shaping = {"start": start, "seed": seed, "configs": [Path(f).read_text() for f in configs[:-1]],
                "arm": test_shaping(yaml.safe_load(Path(configs[-1]).read_text()) or {}),

@@ -65,6 +65,30 @@ def test_arms_that_differ_only_in_how_they_train_share_the_start_test(monkeypatc
     assert test_shaping({}) == {} and test_shaping({"model": None}) == {"model": None}
 
 
+def test_only_a_warm_starts_test_is_kept(monkeypatch, tmp_path):
+    """A `--start` path may hold other weights later: its test runs every time and nothing is kept."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from argparse import Namespace
+
+    from efficacy import start_test
+
+    arm = _overlay(tmp_path / "arm.yaml", {"max_steps": 3}, {"stages": [4]})
+    runs, scores = [], {"4w": {"score": 0.5}}
+
+    def run():
+        runs.append(1)
+        return scores
+
+    args = Namespace(warm=None, warm_dir=str(tmp_path), test_pairs=4, samples=2, sample_lengths=None)
+    for _ in range(2):
+        assert start_test(args, [str(TINY_CONFIG), arm], "start.ckpt", 0, [], run)["scores"] == scores
+    assert len(runs) == 2 and not list(tmp_path.glob("start-test-*.json"))
+    args.warm = "warm.yaml"  # a warm start's test runs once, then is read back
+    for _ in range(2):
+        assert start_test(args, [str(TINY_CONFIG), arm], "warm-0-abc.ckpt", 0, [], run)["scores"] == scores
+    assert len(runs) == 3 and len(list(tmp_path.glob("start-test-*.json"))) == 1
+
+
 def _run(command: list[str]) -> None:
     env = os.environ | {"OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
