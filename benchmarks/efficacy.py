@@ -29,6 +29,7 @@ and the start's test; the same command with `--resume` goes on from there (one a
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import sys
@@ -101,12 +102,17 @@ def shaping_arguments(extra: list[str]) -> list[str]:
     return kept
 
 
+def digest_of(shaping: dict) -> str:
+    """A short digest of what shapes a kept result (a warm start, a start's test): its file's name."""
+    return hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:12]
+
+
 def warm_start(overlay: str, configs: list[str], extra: list[str], seed: int, folder: Path) -> tuple[str, dict]:
     """The warm start of `seed`: the base `configs` and `overlay` trained to the end of their supervised steps, saved
     in `folder` under a digest of everything that shapes it; reused when there. Its checkpoint and what it reached."""
     files = [*configs, overlay]
     shaping = {"configs": [Path(f).read_text() for f in files], "extra": shaping_arguments(extra), "seed": seed}
-    digest = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:12]
+    digest = digest_of(shaping)
     path = folder / f"warm-{Path(overlay).stem}-{seed}-{digest}.ckpt"
     if not path.exists():
         with tempfile.TemporaryDirectory() as runs:
@@ -133,7 +139,7 @@ TRAINING_ONLY = {
 
 def test_shaping(overlay: dict) -> dict:
     """`overlay` (a parsed config) without its `TRAINING_ONLY` settings."""
-    kept = json.loads(json.dumps(overlay))
+    kept = copy.deepcopy(overlay)
     for group, keys in TRAINING_ONLY.items():
         node = kept
         for part in group.split("."):
@@ -153,7 +159,7 @@ def start_test(args, configs: list[str], start: str | None, seed: int, extra: li
                "arm": test_shaping(yaml.safe_load(Path(configs[-1]).read_text()) or {}),
                "extra": shaping_arguments(extra), "test_pairs": args.test_pairs, "samples": args.samples,
                "sample_lengths": args.sample_lengths}  # fmt: skip
-    digest = hashlib.sha256(json.dumps(shaping).encode()).hexdigest()[:12]
+    digest = digest_of(shaping)
     path = Path(args.warm_dir) / f"start-test-{seed}-{digest}.json"
     if not path.exists():
         with replacing(path) as tmp:
