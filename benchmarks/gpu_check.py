@@ -19,6 +19,11 @@ On one CUDA GPU, in under 10 minutes, it prints one JSON line per phase and appe
   `hbm_bound_share` is `weight_bytes` (the policy's) x `decode_steps` / `rollout_s` over the nominal bandwidth: the
   share of the memory bound the rollout reached (KV-cache reads left out; with vLLM the rollout also holds the
   engine's wake-up and adapter load).
+- `speculation`: speculative sampling's bounds on the steps' model (`benchmarks/speculation.py`, 4 prompts x 16, 10
+  words, greedy, 4 drafted tokens a forward): `ceiling` drafts each prompt's own greedy answer, which the model keeps
+  whole (a policy that answers what the prompt's words predict), `floor` drafts its target, which a random model
+  does not follow (the cost of a forward over 5 tokens, nothing kept); each with the plain rollout's and the
+  speculative one's wall seconds and `speedup_wall`.
 - `smollm2_fit`: 20 GRPO steps of SmolLM2-135M-Instruct on the GPU (configs/smollm2.yaml's settings, no warm-start),
   its held-out alignment score on 64 pairs of 10 words before and after; `skipped` when the model is not installed
   (`python -m interleave_model.model.shipped smollm2-135m-instruct`).
@@ -60,13 +65,17 @@ WORDS = 10
 TOTAL_S = 560  # the whole check on a GPU: under 10 minutes with a last phase killed past its grace
 GRACE_S = 15  # past its deadline a phase's process gets this long to write its line, then it is killed
 
-# Seconds of each phase on a GPU, process start included (sum 555). A phase that ends early leaves its rest to the
-# ones after it. vLLM's first start compiles the model and captures CUDA graphs; its second reuses the compile cache.
-BUDGETS = {"environment": 25, "random_model": 60, "step-own-gc": 50, "step-own": 45, "step-vllm-gc": 145,
-           "step-vllm-gc-200w": 150, "smollm2_fit": 80}  # fmt: skip
+# Seconds of each phase on a GPU, process start included (sum 560; on one H200 the environment took 16 s, the
+# random model 24 s, the own sampler's steps 43 s and 38 s). A phase that ends early leaves its rest to the ones after
+# it. vLLM's first start compiles the model and captures CUDA graphs; its second reuses the compile cache.
+BUDGETS = {"environment": 20, "random_model": 40, "step-own-gc": 50, "step-own": 45, "speculation": 35,
+           "step-vllm-gc": 145, "step-vllm-gc-200w": 150, "smollm2_fit": 75}  # fmt: skip
 # On a CPU (--cpu-smoke) every phase runs in one process; these only guard against a hang.
-SMOKE_BUDGETS = {"environment": 30, "random_model": 30, "step-own-gc": 45, "step-own": 45, "step-vllm-gc": 90,
-                 "step-vllm-gc-200w": 90, "smollm2_fit": 60}  # fmt: skip
+SMOKE_BUDGETS = {"environment": 30, "random_model": 30, "step-own-gc": 45, "step-own": 45, "speculation": 30,
+                 "step-vllm-gc": 90, "step-vllm-gc-200w": 90, "smollm2_fit": 60}  # fmt: skip
+DRAFT_TOKENS = 4  # tokens drafted a forward in the speculation phase
+SPECULATION_KEYS = ("kept_share", "tokens_per_forward", "forwards", "plain_steps", "rollout_s", "speedup_wall",
+                    "greedy_equal")  # fmt: skip
 LONG_WORDS = {False: 200, True: 25}  # the long step's length on a GPU, and on a CPU smoke run (the tiny model)
 # vLLM's CPU engine as the project's tests run it: a small KV cache, no compilation
 SMOKE_VLLM = {"kv_cache_memory_bytes": 32 << 20, "max_model_len": 1024, "enforce_eager": True}
@@ -407,6 +416,32 @@ def step_setup(smoke: bool, work: Path, engine: str, checkpointing: bool, words:
     return module, datamodule, settings
 
 
+def speculation(smoke: bool, work: Path) -> dict:
+    """Greedy rollouts of the steps' model with and without speculation: drafts of its own answers (the ceiling) and of
+    the targets (the floor), as `benchmarks/speculation.py` measures them."""
+    from speculation import measure
+
+    from interleave_model.model.policy import load_pretrained, stop_token_ids
+
+    folder = work / "model"
+    if not (folder / "config.json").is_file():
+        raise RuntimeError("the model folder was not written: see the random_model line")
+    settings = config("llama-3.2-3b.yaml")
+    model, tokenizer = load_pretrained(str(folder), dtype="float32" if smoke else "bfloat16")
+    model = model.to("cpu" if smoke else "cuda")
+    stops, template = stop_token_ids(model, tokenizer), settings["data"]["template"]
+    prompts, generations = (2, 4) if smoke else (settings["data"]["batch_size"],
+                                                 settings["model"]["sampling"]["num_generations"])  # fmt: skip
+    bounds = {}
+    for bound, source in (("ceiling", "greedy"), ("floor", "target")):
+        args = argparse.Namespace(prompts=prompts, generations=generations, draft_tokens=DRAFT_TOKENS, ngram=3,
+                                  draft_source=source, temperature=0.0, repeats=1 if smoke else 3)  # fmt: skip
+        measured = measure(args, model, tokenizer, stops, template, WORDS)
+        bounds[bound] = {key: measured[key] for key in SPECULATION_KEYS}
+    return {"model": step_model(smoke), "words": WORDS, "rows": prompts * generations, "draft_tokens": DRAFT_TOKENS,
+            **bounds, **memory(smoke)}  # fmt: skip
+
+
 def smollm2_fit(smoke: bool, work: Path) -> dict:
     """20 GRPO steps of SmolLM2-135M-Instruct (the tiny model on a CPU smoke run), held-out score before and after."""
     import lightning as L
@@ -470,6 +505,7 @@ PHASES = {
     "random_model": random_model,
     "step-own-gc": grpo_step("own", True),
     "step-own": grpo_step("own", False),
+    "speculation": speculation,
     "step-vllm-gc": grpo_step("vllm", True),
     "step-vllm-gc-200w": grpo_step("vllm", True, long=True),
     "smollm2_fit": smollm2_fit,

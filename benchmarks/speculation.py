@@ -7,6 +7,9 @@ with `--template`). Each length draws `--prompts` held-out pairs (validation spl
 `--repeats` times each way and the medians are reported, in wall and CPU seconds (trust the CPU seconds on a shared
 machine with `--threads 1`). Greedy answers with speculation are checked equal to those without. `--draft-source
 prompt` drafts from the prompt's tokens instead of the target's (vLLM's `ngram` method reads the prompt), to compare.
+`--draft-source greedy` (with `--temperature 0`) drafts each prompt's own greedy answer, which the model keeps whole:
+the most speculation with `--draft-tokens` can give this model at this batch on this machine, a policy that answers
+exactly what its drafts hold.
 
 `--engine vllm` checks vLLM's own `ngram` speculation instead (drafts from the prompt and the answer so far, k =
 `--draft-tokens`, lookups of 1 to `--ngram` tokens), the adapter served as LoRA: greedy answers with it against
@@ -16,6 +19,8 @@ without it, and the sampled tokens' log-probs the engine returns against the tra
     python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 25 --draft-tokens 4
     python benchmarks/speculation.py --model smollm2-135m-instruct --template two_processes --words 10
     python benchmarks/speculation.py --ckpt RUN/checkpoints/last.ckpt --words 10 --engine vllm
+    python benchmarks/speculation.py --model smollm2-135m-instruct --template compact --words 10 \
+        --draft-source greedy --temperature 0
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def timed(draw, repeats: int) -> tuple[float, float, tuple]:
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
         out = draw()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # a GPU's work queued by the rollout is part of its time
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return statistics.median(walls), statistics.median(cpus), out
@@ -73,10 +80,14 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
     from interleave_model.generation.speculative import speculative_sample
 
     ids, mask, targets = batch(tokenizer, template, words, args.prompts)
-    if args.draft_source == "prompt":  # each prompt's own tokens, padding left out
-        targets = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    ids, mask = ids.to(model.device), mask.to(model.device)
     common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))]),
               "stop_ids": stops, "pad_token_id": tokenizer.pad_token_id, "top_p": 1.0, "top_k": 0}  # fmt: skip
+    if args.draft_source == "prompt":  # each prompt's own tokens, padding left out
+        targets = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+    elif args.draft_source == "greedy":  # each prompt's greedy answer, through its stop
+        answers, kept = sample(model, ids, mask, **common | {"num_generations": 1}, temperature=0.0)[:2]
+        targets = [row[m.bool()].tolist() for row, m in zip(answers, kept, strict=True)]
     draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram}
     counts: dict[str, int] = {}
 
@@ -91,8 +102,10 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
 
     plain_wall, plain_cpu, plain_out = timed(plain, args.repeats)
     spec_wall, spec_cpu, spec_out = timed(speculative, args.repeats)
-    greedy = [f(model, ids, mask, **common, temperature=0.0, **extra)[0]
-              for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
+    greedy = [plain_out[0], spec_out[0]]  # greedy already, or drawn again greedy
+    if args.temperature != 0:
+        greedy = [f(model, ids, mask, **common, temperature=0.0, **extra)[0]
+                  for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
     tokens = int(spec_out[1].sum())
     rows = ids.shape[0] * args.generations
     row_forwards = counts["drafted"] // args.draft_tokens + rows  # each running row's forwards, the prefill's included
@@ -107,6 +120,7 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
         "rollout_s": [round(plain_wall, 3), round(spec_wall, 3)],
         "rollout_cpu_s": [round(plain_cpu, 3), round(spec_cpu, 3)],
         "speedup_cpu": round(plain_cpu / spec_cpu, 2),
+        "speedup_wall": round(plain_wall / spec_wall, 2),
         "greedy_equal": bool(torch.equal(greedy[0], greedy[1])),
     }
 
@@ -176,7 +190,8 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
-    parser.add_argument("--draft-source", choices=["target", "prompt"], default="target")
+    parser.add_argument("--draft-source", choices=["target", "prompt", "greedy"], default="target",
+                        help="greedy: each prompt's own greedy answer, all kept (with --temperature 0)")  # fmt: skip
     parser.add_argument("--engine", choices=["own", "vllm"], default="own", help="vllm: its ngram method, checked")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
@@ -186,6 +201,8 @@ def main() -> None:
     args = parser.parse_args()
     if (args.ckpt is None) == (args.model is None):
         parser.error("give --ckpt or --model")
+    if args.draft_source == "greedy" and (args.temperature != 0 or args.engine != "own"):
+        parser.error("--draft-source greedy drafts greedy answers: give --temperature 0, with the own engine")
     torch.set_num_threads(args.threads)
     trace = provenance(args.threads)
     model, tokenizer, stops, template = load(args)

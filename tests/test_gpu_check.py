@@ -44,7 +44,8 @@ def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [json.loads(line) for line in done.stdout.splitlines()] == lines  # printed and appended alike
-    assert [line["phase"] for line in lines] == ["environment", "random_model", *["grpo_step"] * 4, "smollm2_fit"]
+    phases = ["environment", "random_model", "grpo_step", "grpo_step", "speculation", "grpo_step", "grpo_step"]
+    assert [line["phase"] for line in lines] == [*phases, "smollm2_fit"]
     for line in lines:
         assert "error" not in line, line
         assert line["benchmark"] == "gpu_check" and line["cpu_smoke"] is True
@@ -55,7 +56,8 @@ def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
     environment = lines[0]
     assert environment["gpu"] is None and environment["torch"] == torch.__version__
     assert all(key in environment for key in ("cuda", "vllm", "bf16", "gpu_memory_gib"))
-    steps = {(line["engine"], line["gradient_checkpointing"], line["long"]): line for line in lines[2:6]}
+    steps = {(line["engine"], line["gradient_checkpointing"], line["long"]): line for line in lines
+             if line["phase"] == "grpo_step"}  # fmt: skip
     assert set(steps) == {("own", True, False), ("own", False, False), ("vllm", True, False), ("vllm", True, True)}
     long = steps["vllm", True, True]  # the long stage with the curriculum's held-out answer budget there
     assert "skipped" in long or (long["words"], long["max_new_tokens"]) == (25, 3 * 2 * 25 + 8)
@@ -69,6 +71,11 @@ def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
         assert step["step_s"] > 0 and step["rollout_s"] > 0 and step["update_s"] > 0
         assert 0 < step["generated_tokens"] <= 2 * 4 * step["decode_steps"]  # 2 prompts x 4 completions
         assert step["tokens_per_s"] > 0 and step["hbm_bound_share"] is None  # no GPU: no bandwidth
+    speculation = lines[4]  # the tiny model's own greedy answers drafted are kept whole; its targets hardly
+    ceiling, floor = speculation["ceiling"], speculation["floor"]
+    assert speculation["rows"] == 8 and ceiling["greedy_equal"] and floor["greedy_equal"]
+    assert ceiling["kept_share"] == 1.0 and ceiling["tokens_per_forward"] > floor["tokens_per_forward"]
+    assert ceiling["forwards"] < floor["forwards"] and min(*ceiling["rollout_s"], *floor["rollout_s"]) > 0
     fit = lines[-1]
     assert fit["steps"] == 1 and 0.0 <= fit["score_before"] <= 1.0 and 0.0 <= fit["score_after"] <= 1.0
 
@@ -111,3 +118,9 @@ def test_the_module_is_built_from_every_key_of_the_config():
     nulled = gpu_check.module_from(model | {"sampling": None}, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny,
                                    sampling={"num_generations": 2})  # fmt: skip
     assert nulled.sampling.num_generations == 2  # a group set to null in the YAML takes the change too
+
+
+def test_every_phase_has_a_budget_and_they_fit_the_check():
+    assert list(gpu_check.BUDGETS) == list(gpu_check.SMOKE_BUDGETS) == list(gpu_check.PHASES)
+    assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL_S
+    assert gpu_check.TOTAL_S + gpu_check.GRACE_S <= 600  # under 10 minutes, a last phase's grace included
