@@ -9,7 +9,8 @@ machine with `--threads 1`). Greedy answers with speculation are checked equal t
 prompt` drafts from the prompt's tokens instead of the target's (vLLM's `ngram` method reads the prompt), to compare.
 `--draft-source greedy` (with `--temperature 0`) drafts each prompt's own greedy answer, which the model keeps whole:
 the most speculation with `--draft-tokens` can give this model at this batch on this machine, a policy that answers
-exactly what its drafts hold.
+exactly what its drafts hold. `--merged-copy DTYPE` samples from the adapter-merged copy in that dtype, as training
+rollouts do with `model.sampling.merged_copy`.
 
 `--engine vllm` checks vLLM's own `ngram` speculation instead (drafts from the prompt and the answer so far, k =
 `--draft-tokens`, lookups of 1 to `--ngram` tokens), the adapter served as LoRA: greedy answers with it against
@@ -47,6 +48,13 @@ def load(args):
         return module.policy, module.tokenizer, module.stop_ids, module.hparams["template"]
     model, tokenizer = load_pretrained(resolve_model(args.model), dtype="float32")
     return model, tokenizer, stop_token_ids(model, tokenizer), args.template
+
+
+def sampled_from(model, merged_copy: str | None):
+    """What the rollouts sample from: the model, or its merged copy in that dtype (as training rollouts do)."""
+    from interleave_model.generation.merged_copy import MergedCopy
+
+    return model if merged_copy is None else MergedCopy(model, merged_copy).refresh(version=0)
 
 
 def batch(tokenizer, template: str, words: int, prompts: int):
@@ -193,6 +201,8 @@ def main() -> None:
     parser.add_argument("--draft-source", choices=["target", "prompt", "greedy"], default="target",
                         help="greedy: each prompt's own greedy answer, all kept (with --temperature 0)")  # fmt: skip
     parser.add_argument("--engine", choices=["own", "vllm"], default="own", help="vllm: its ngram method, checked")
+    parser.add_argument("--merged-copy", choices=["float32", "bfloat16"], default=None,
+                        help="sample from the merged copy in this dtype, as training rollouts do")  # fmt: skip
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
@@ -203,13 +213,17 @@ def main() -> None:
         parser.error("give --ckpt or --model")
     if args.draft_source == "greedy" and (args.temperature != 0 or args.engine != "own"):
         parser.error("--draft-source greedy drafts greedy answers: give --temperature 0, with the own engine")
+    if args.engine == "vllm" and args.merged_copy:
+        parser.error("--merged-copy is the own sampler's: vLLM serves the adapter as LoRA")
     torch.set_num_threads(args.threads)
     trace = provenance(args.threads)
     model, tokenizer, stops, template = load(args)
+    model = sampled_from(model, args.merged_copy)
     run = measure_vllm if args.engine == "vllm" else measure
     lengths = [run(args, model, tokenizer, stops, template, words) for words in args.words]
     line = {"benchmark": "speculation", "model": args.ckpt or args.model, "label": args.label, "template": template,
             "draft_tokens": args.draft_tokens, "ngram": args.ngram, "engine": args.engine,
+            "merged_copy": args.merged_copy,
             "draft_source": "prompt and answer" if args.engine == "vllm" else args.draft_source,
             "temperature": args.temperature,
             "lengths": lengths, **trace}  # fmt: skip

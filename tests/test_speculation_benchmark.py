@@ -21,11 +21,12 @@ def test_greedy_drafts_are_kept_whole_and_target_drafts_are_not(family_folders):
     common = ("--model", model, "--template", "compact", "--words", "6", "--prompts", "2", "--generations", "2",
               "--repeats", "1", "--temperature", "0")  # fmt: skip
     lines = {}
-    for source in ("greedy", "target"):
-        done = _run(*common, "--draft-source", source)
+    for source, copy in (("greedy", "float32"), ("target", None)):  # the ceiling sampled as training rollouts are
+        done = _run(*common, "--draft-source", source, *(["--merged-copy", copy] if copy else []))
         assert done.returncode == 0, done.stderr[-3000:]
-        (length,) = json.loads(done.stdout.splitlines()[-1])["lengths"]
-        lines[source] = length
+        line = json.loads(done.stdout.splitlines()[-1])
+        assert line["merged_copy"] == copy
+        (lines[source],) = line["lengths"]
     ceiling, target = lines["greedy"], lines["target"]
     assert ceiling["greedy_equal"] and target["greedy_equal"]
     assert ceiling["kept_share"] == 1.0 and ceiling["tokens_per_forward"] > 3.0  # of at most 5 with 4 drafted

@@ -7,9 +7,10 @@ refreshed from the policy whenever its weights changed: each adapted layer's wei
 every other trainable parameter is copied, computed out of place, so the policy's own weights are never touched.
 
 Decoding in bfloat16 with torch's scaled-dot-product attention is slow on a CPU (its bf16 kernel takes ~10x the
-float32 one for one query against a GQA cache), so the copy's one-query steps attend by `grouped_decode_attention`:
-two matmuls with each KV head's query heads side by side, no repeated KV. Longer queries (the prefill) and any
-attention with options it does not implement (soft-capping, sinks) go to transformers' SDPA as before.
+float32 one for one query against a GQA cache), so the copy's decode steps attend by `grouped_decode_attention`:
+two matmuls with each KV head's query heads side by side, no repeated KV, for one new position a row or a short block
+of them (speculative sampling's last token and drafts). The prefill and any attention with options it does not
+implement (soft-capping, sinks) go to transformers' SDPA as before.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from interleave_model.model.policy import is_peft
 from interleave_model.runtime.fastest import fastest
 
 GROUPED_DECODE = "grouped_decode"  # the attention implementation the copy runs under (masks built as for SDPA)
+DECODE_BLOCK = 16  # the most new positions a row that a step attends by `grouped_decode_attention` (more: SDPA)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -42,29 +44,32 @@ def grouped_decode_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Attention of one query position per row against the cache, as transformers' attention functions are called.
+    """Attention of a decode step's T new positions per row (1, or a speculative block of up to `DECODE_BLOCK`)
+    against the cache, as transformers' attention functions are called.
 
-    query [B, H, 1, D], key / value [B, K, L, D] with H a multiple of K; `attention_mask` SDPA's boolean [B, 1, 1, L]
-    (True: attend) or None. Returns ([B, 1, H, D], None). Scores and softmax are float32 whatever the dtype. Keys and
-    values may come as `SharedPrefix` (the rollout cache's prompts kept once per group): each prompt is then scored
-    once for its whole group.
+    query [B, H, T, D], key / value [B, K, L, D] with H a multiple of K and T < L (the new positions are the last T);
+    `attention_mask` SDPA's [B, 1, T, L] (boolean, True: attend; or additive) or None (causal). Returns
+    ([B, T, H, D], None). Scores and softmax are float32 whatever the dtype. Keys and values may come as
+    `SharedPrefix` (the rollout cache's prompts kept once per group): each prompt is then scored once for its whole
+    group.
     """
     unsupported = {name for name in ("softcap", "s_aux", "sinks") if kwargs.get(name) is not None}
-    if query.shape[2] != 1 or dropout or unsupported:
+    b, h, t, d = query.shape
+    length = key.prompt.shape[-2] + key.rows.shape[-2] if isinstance(key, SharedPrefix) else key.shape[-2]
+    if t > DECODE_BLOCK or t >= length or dropout or unsupported:  # the prefill, or what it does not implement
         if isinstance(key, SharedPrefix):
             key, value = key.materialize(), value.materialize()
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # fmt: skip
-    b, h, _, d = query.shape
     k = key.prompt.shape[1] if isinstance(key, SharedPrefix) else key.shape[1]
     scale = d**-0.5 if scaling is None else scaling
-    grouped = query.reshape(b, k, h // k, d)  # query heads h*K/H .. of KV head k side by side: [B, K, H/K, D]
+    grouped = query.reshape(b, k, h // k * t, d)  # KV head k's query heads side by side, T positions each
     if isinstance(key, SharedPrefix):
-        return _shared_prefix_attention(grouped, key, value, attention_mask, scale).reshape(b, 1, h, d), None
-    scores = _scores(key, grouped, scale)  # [B, K, H/K, L]
-    weights = _masked_softmax(scores, attention_mask).to(value.dtype)
-    out = torch.matmul(weights, value)  # [B, K, H/K, D]
-    return out.reshape(b, 1, h, d), None
+        out = _shared_prefix_attention(grouped, key, value, attention_mask, scale, t)
+    else:
+        weights = _masked_softmax(_scores(key, grouped, scale), attention_mask, t).to(value.dtype)
+        out = torch.matmul(weights, value)  # [B, K, H/K*T, D]
+    return out.reshape(b, h, t, d).transpose(1, 2), None
 
 
 def _scores(key: Tensor, grouped: Tensor, scale: float) -> Tensor:
@@ -73,21 +78,30 @@ def _scores(key: Tensor, grouped: Tensor, scale: float) -> Tensor:
     return torch.matmul(key, grouped.transpose(-1, -2)).transpose(-1, -2).float() * scale
 
 
-def _masked_softmax(scores: Tensor, attention_mask: Tensor | None) -> Tensor:
-    """Softmax of `scores` [B, K, Q, L] over L, under SDPA's mask [B, 1, 1, >= L] (boolean: True attends, or
-    additive) or None."""
-    if attention_mask is not None:
-        mask = attention_mask[..., -1:, : scores.shape[-1]]  # [B, 1, 1, L]
-        scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
-    return scores.softmax(-1)
+def _masked_softmax(scores: Tensor, attention_mask: Tensor | None, t: int) -> Tensor:
+    """Softmax of `scores` [B, K, Q*T, L] (T positions innermost) over L, under SDPA's mask [B, 1, >= T, >= L]
+    (boolean: True attends, or additive; its last T rows) or, when None, causally: position i of T sees the
+    first L - T + i + 1 keys."""
+    if attention_mask is None and t == 1:
+        return scores.softmax(-1)
+    b, k, rows, length = scores.shape
+    scores = scores.reshape(b, k, rows // t, t, length)
+    if attention_mask is None:
+        keys = torch.arange(length, device=scores.device)
+        mask = keys <= keys[length - t :, None]  # [T, L]
+    else:
+        mask = attention_mask[..., -t:, :length][:, :, None]  # [B, 1, 1, T, L]
+    scores = scores.masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1).reshape(b, k, rows, length)
 
 
 def _shared_prefix_attention(
-    grouped: Tensor, key: SharedPrefix, value: SharedPrefix, attention_mask: Tensor | None, scale: float
+    grouped: Tensor, key: SharedPrefix, value: SharedPrefix, attention_mask: Tensor | None, scale: float, t: int
 ) -> Tensor:
-    """One query per row against a prompt shared by each group of G rows and the row's own completion.
+    """A decode step's queries against a prompt shared by each group of G rows and the row's own completion.
 
-    grouped [B, K, Q, D] (B = P*G rows, group-major; Q query heads per KV head); key / value prompt [P, K, Lp, D],
+    grouped [B, K, Q, D] (B = P*G rows, group-major; Q: the query heads per KV head times the T positions, positions
+    innermost); key / value prompt [P, K, Lp, D],
     rows [B, K, n, D]. The prompt part runs once per group with its G rows' queries side by side ([P, K, G*Q, D]),
     so its keys and values are read once, not G times; one softmax covers both parts. Returns [B, K, Q, D].
     """
@@ -103,7 +117,7 @@ def _shared_prefix_attention(
 
     scores = torch.cat([by_row(_scores(key.prompt, by_group(grouped), scale)), _scores(key.rows, grouped, scale)],
                        dim=-1)  # fmt: skip  # [B, K, Q, Lp + n]
-    weights = _masked_softmax(scores, attention_mask).to(value.rows.dtype)
+    weights = _masked_softmax(scores, attention_mask, t).to(value.rows.dtype)
     prompt_weights, row_weights = weights.split([length, weights.shape[-1] - length], dim=-1)
     out = by_row(torch.matmul(by_group(prompt_weights), value.prompt))  # [B, K, Q, D]
     return out + torch.matmul(row_weights, value.rows)

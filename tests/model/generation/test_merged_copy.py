@@ -89,40 +89,47 @@ def test_a_bfloat16_copy_is_close_to_the_policy(lora_policy):
     assert 0 < gap < 0.1
 
 
+def _causal(t: int, length: int) -> torch.Tensor:
+    """[t, length]: a decode step's last t positions see the cache before them and each other causally."""
+    keys = torch.arange(length)
+    return keys <= keys[length - t :, None]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_grouped_decode_attention_is_sdpa_with_grouped_query_heads(dtype):
+@pytest.mark.parametrize("t", [1, 3])  # one new position a row, or a speculative block of 3
+def test_grouped_decode_attention_is_sdpa_with_grouped_query_heads(dtype, t):
     torch.manual_seed(0)
-    query, key, value = (torch.randn(4, h, n, 16, dtype=dtype) for h, n in ((6, 1), (2, 9), (2, 9)))
-    mask = torch.ones(4, 1, 1, 9, dtype=torch.bool)
-    mask[0, ..., :3] = False  # left padding of row 0
-    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask,
-                                              scale=0.3, enable_gqa=True).transpose(1, 2)  # fmt: skip
-    module = torch.nn.Module()
-    for attention_mask in (mask, None):
+    query, key, value = (torch.randn(4, h, n, 16, dtype=dtype) for h, n in ((6, t), (2, 9), (2, 9)))
+    module, tolerance = torch.nn.Module(), 1e-5 if dtype == torch.float32 else 2e-2
+    padded = _causal(t, 9).expand(4, 1, t, 9).clone()
+    padded[0, ..., :3] = False  # left padding of row 0
+    for attention_mask, sdpa_mask in ((padded, padded), (None, _causal(t, 9))):  # None: causal, no padding
+        expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=sdpa_mask,
+                                                  scale=0.3, enable_gqa=True).transpose(1, 2)  # fmt: skip
         out, weights = grouped_decode_attention(module, query, key, value, attention_mask, scaling=0.3)
-        assert out.shape == (4, 1, 6, 16) and weights is None and out.dtype == dtype
-        if attention_mask is None:
-            expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), scale=0.3,
-                                                      enable_gqa=True).transpose(1, 2)  # fmt: skip
-        torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+        assert out.shape == (4, t, 6, 16) and weights is None and out.dtype == dtype
+        torch.testing.assert_close(out.float(), expected, atol=tolerance, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [True, False])
-def test_grouped_decode_attention_on_a_shared_prompt_is_attention_on_each_rows_keys(dtype, masked):
-    # 3 prompts of 5 positions (prompt 1 left-padded by 2), G = 4 rows each with 3 positions of their own: each prompt
-    # scored once for its group must give each row what SDPA gives on the row's prompt and completion put together
+@pytest.mark.parametrize("t", [1, 3])
+def test_grouped_decode_attention_on_a_shared_prompt_is_attention_on_each_rows_keys(dtype, masked, t):
+    # 3 prompts of 5 positions (prompt 1 left-padded by 2), G = 4 rows each with 3 positions of their own (the last t
+    # of them new): each prompt scored once for its group must give each row what SDPA gives on the row's prompt and
+    # completion put together
     torch.manual_seed(0)
-    query = torch.randn(12, 6, 1, 16, dtype=dtype)
+    query = torch.randn(12, 6, t, 16, dtype=dtype)
     key, value = (SharedPrefix(torch.randn(3, 2, 5, 16, dtype=dtype), torch.randn(12, 2, 3, 16, dtype=dtype))
                   for _ in range(2))  # fmt: skip
-    mask = torch.ones(12, 1, 1, 9, dtype=torch.bool)  # longer than the keys, as the rollout's mask is
+    mask = torch.ones(12, 1, t, 9, dtype=torch.bool)  # longer than the keys, as the rollout's mask is
+    mask[..., :8] = _causal(t, 8)
     mask[4:8, ..., :2] = False
     expected = F.scaled_dot_product_attention(query.float(), key.materialize().float(), value.materialize().float(),
-                                              attn_mask=mask[..., :8] if masked else None, scale=0.3,
+                                              attn_mask=mask[..., :8] if masked else _causal(t, 8), scale=0.3,
                                               enable_gqa=True).transpose(1, 2)  # fmt: skip
     out, _ = grouped_decode_attention(torch.nn.Module(), query, key, value, mask if masked else None, scaling=0.3)
-    assert out.shape == (12, 1, 6, 16) and out.dtype == dtype
+    assert out.shape == (12, t, 6, 16) and out.dtype == dtype
     torch.testing.assert_close(out.float(), expected, atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
 
 

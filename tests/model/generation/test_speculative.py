@@ -12,7 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from interleave_data.prompts import format_prompt
 from interleave_model.algorithm.completions import completion_logprobs
+from interleave_model.generation import merged_copy
 from interleave_model.generation import sampler as sampler_module
+from interleave_model.generation.merged_copy import MergedCopy
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.speculative import Lookup, _sampling_probs, speculative_sample
 from interleave_model.model.policy import load_pretrained, stop_token_ids
@@ -82,6 +84,39 @@ def test_greedy_with_left_padding_stops_and_retired_rows_matches_hf_generate(fam
         assert counts["kept"] > counts["drafted"] / 2 and counts["forwards"] < 12  # < 24 steps of one token
     else:
         assert counts["kept"] < counts["drafted"] / 5
+
+
+def test_on_the_merged_copy_speculation_attends_by_blocks_and_keeps_its_answers_and_scores(family, monkeypatch):
+    """The copy the training rollout samples from runs a speculative step's drafted block through its own grouped
+    attention: greedy answers are the copy's plain ones, and sampled log-probs the trainer's scores."""
+    model, tok = load_pretrained(str(family[1]))
+    _spread_weights(model, std=0.1)
+    copy, stopping = (MergedCopy(model, "float32").refresh(version=0) for _ in range(2))
+    stops = stop_token_ids(model, tok)
+    _stop_after_tokens_divisible_by(stopping, stops[-1], divisor=13)  # rows end at different steps
+    ids, mask = _prompts(tok, [("a b", "c d"), ("one two three four five six", "x y z w"), ("z", "y")])
+    blocks = []
+    softmax = merged_copy._masked_softmax
+    monkeypatch.setattr(merged_copy, "_masked_softmax", lambda scores, m, t: blocks.append(t) or softmax(scores, m, t))
+    kwargs = {"num_generations": 2, "max_new_tokens": 20, "stop_ids": stops, "pad_token_id": tok.pad_token_id}
+    plain = sample(stopping, ids, mask, **kwargs, temperature=0.0)
+    assert len(set(plain[1].sum(-1).tolist())) >= 2, "rows end at different steps"
+    answers = [row[m.bool()].tolist() for row, m in zip(plain[0][::2], plain[1][::2], strict=True)]
+    counts = {}
+    greedy = speculative_sample(stopping, ids, mask, **kwargs, temperature=0.0, sources=answers, draft_tokens=3,
+                                ngram=2, counts=counts)  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(greedy[:3], plain[:3], strict=True))
+    assert counts["kept"] > counts["drafted"] / 2
+    uses_grouped = copy.config._attn_implementation == merged_copy.GROUPED_DECODE
+    assert (4 in blocks) == uses_grouped  # the last token and 3 drafted, attended by the copy's own attention
+    completion, completion_mask, _, logprobs = speculative_sample(
+        copy, ids, mask, **kwargs, temperature=0.8, sources=answers, draft_tokens=3, ngram=2, with_logprobs=True,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    input_ids = torch.cat([ids.repeat_interleave(2, dim=0), completion], dim=-1)
+    attention = torch.cat([mask.repeat_interleave(2, dim=0), completion_mask], dim=-1)
+    scores, _ = completion_logprobs(model, input_ids, attention, completion, 0.8)
+    assert torch.allclose(logprobs, scores * completion_mask, atol=1e-4)
 
 
 def _small_model(seed: int = 0) -> LlamaForCausalLM:
