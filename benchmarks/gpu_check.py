@@ -435,7 +435,8 @@ def speculation(smoke: bool, work: Path) -> dict:
     bounds = {}
     for bound, source in (("ceiling", "greedy"), ("floor", "target")):
         args = argparse.Namespace(prompts=prompts, generations=generations, draft_tokens=DRAFT_TOKENS, ngram=3,
-                                  draft_source=source, temperature=0.0, repeats=1 if smoke else 3)  # fmt: skip
+                                  max_rows=None, draft_source=source, temperature=0.0,
+                                  repeats=1 if smoke else 3)  # fmt: skip
         measured = measure(args, model, tokenizer, stops, template, WORDS)
         bounds[bound] = {key: measured[key] for key in SPECULATION_KEYS}
     return {"model": step_model(smoke), "words": WORDS, "rows": prompts * generations, "draft_tokens": DRAFT_TOKENS,

@@ -96,7 +96,7 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
     elif args.draft_source == "greedy":  # each prompt's greedy answer, through its stop
         answers, kept = sample(model, ids, mask, **common | {"num_generations": 1}, temperature=0.0)[:2]
         targets = [row[m.bool()].tolist() for row, m in zip(answers, kept, strict=True)]
-    draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram}
+    draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram, "max_rows": args.max_rows}
     counts: dict[str, int] = {}
 
     def plain():
@@ -116,7 +116,7 @@ def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
                   for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
     tokens = int(spec_out[1].sum())
     rows = ids.shape[0] * args.generations
-    row_forwards = counts["drafted"] // args.draft_tokens + rows  # each running row's forwards, the prefill's included
+    row_forwards = counts["row_forwards"] + rows  # each running row's forwards, the prefill's included
     return {
         "words": words,
         "rows": rows,
@@ -198,6 +198,7 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=8)
     parser.add_argument("--draft-tokens", type=int, default=4)
     parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--max-rows", type=int, default=None, help="draft only in steps of at most this many rows")
     parser.add_argument("--draft-source", choices=["target", "prompt", "greedy"], default="target",
                         help="greedy: each prompt's own greedy answer, all kept (with --temperature 0)")  # fmt: skip
     parser.add_argument("--engine", choices=["own", "vllm"], default="own", help="vllm: its ngram method, checked")
@@ -222,7 +223,7 @@ def main() -> None:
     run = measure_vllm if args.engine == "vllm" else measure
     lengths = [run(args, model, tokenizer, stops, template, words) for words in args.words]
     line = {"benchmark": "speculation", "model": args.ckpt or args.model, "label": args.label, "template": template,
-            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "engine": args.engine,
+            "draft_tokens": args.draft_tokens, "ngram": args.ngram, "max_rows": args.max_rows, "engine": args.engine,
             "merged_copy": args.merged_copy,
             "draft_source": "prompt and answer" if args.engine == "vllm" else args.draft_source,
             "temperature": args.temperature,

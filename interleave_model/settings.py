@@ -119,6 +119,9 @@ class Sampling:
             per decode step from the batch's targets, kept or not by the exact rule of Leviathan et al. (2023), so
             what is sampled has the model's distribution; 0 decodes one token a step.
         speculative_ngram: The longest suffix of an answer the draft looks up in its target.
+        speculative_max_rows: Draft only in decode steps of at most this many rows (the batch shrinks as answers
+            stop), as vLLM's `disable_by_batch_size` does; null: in every step. A forward over k + 1 tokens a row
+            costs more against one of 1 the more rows it runs (docs/RESULTS.md, "Speculative sampling").
     """
 
     num_generations: int = 8
@@ -131,12 +134,17 @@ class Sampling:
     importance_sampling_cap: float | None = None
     speculative_tokens: int = 0
     speculative_ngram: int = 3
+    speculative_max_rows: int | None = None
 
     def __post_init__(self) -> None:
         if self.speculative_tokens < 0 or self.speculative_ngram < 1:
             raise SettingsError(
                 "model.sampling.speculative_tokens must be >= 0 and model.sampling.speculative_ngram >= 1, got "
                 f"{self.speculative_tokens} and {self.speculative_ngram}"
+            )
+        if self.speculative_max_rows is not None and self.speculative_max_rows < 1:
+            raise SettingsError(
+                f"model.sampling.speculative_max_rows must be >= 1 or null, got {self.speculative_max_rows}"
             )
         if self.num_generations < 2:
             raise SettingsError(

@@ -92,7 +92,8 @@ class Sampler:
             if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
                 kwargs["draw"] = partial(speculative_sample, sources=batch["target_ids"],
                                          draft_tokens=self.sampling.speculative_tokens,
-                                         ngram=self.sampling.speculative_ngram)  # fmt: skip
+                                         ngram=self.sampling.speculative_ngram,
+                                         max_rows=self.sampling.speculative_max_rows)  # fmt: skip
             return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
         engine = self._vllm_engine(version, rank)
         roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)

@@ -116,8 +116,9 @@ def verify(
         p_draft = (scaled.gather(-1, drafts[..., None])[..., 0] - scaled.logsumexp(-1)).exp()  # [R, k]
     kept = (u[:, :k] < p_draft).long().cumprod(-1).sum(-1)  # [R]
     at = probs[rows, kept] if probs is not None else _sampling_probs(logits[rows, kept], temperature, 1.0, 0)
-    rejected = torch.cat([drafts, drafts[:, :1]], dim=-1).gather(-1, kept[:, None])[:, 0]  # [R] (any when all kept)
-    at = torch.where((kept < k)[:, None], at.scatter(-1, rejected[:, None], 0.0), at)  # [R, V]
+    if k:  # nothing drafted: a plain step's draw
+        rejected = torch.cat([drafts, drafts[:, :1]], dim=-1).gather(-1, kept[:, None])[:, 0]  # [R] (any: all kept)
+        at = torch.where((kept < k)[:, None], at.scatter(-1, rejected[:, None], 0.0), at)  # [R, V]
     return kept, _draw(at, u[:, k:])[0]
 
 
@@ -140,6 +141,7 @@ def speculative_sample(
     generator: torch.Generator | None = None,
     with_logprobs: bool = False,
     counts: dict[str, int] | None = None,
+    max_rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
     """`rollout.sample` with speculation: the same outputs, each step keeping up to `draft_tokens` drafted tokens.
 
@@ -147,8 +149,11 @@ def speculative_sample(
         sources: Each prompt's tokens the draft copies from (`Lookup`); the first stop id is appended to each.
         draft_tokens: k, the tokens drafted per step.
         ngram: The longest suffix of an answer the draft looks up.
-        counts: If given, gets the decode forwards run (`forwards`), the tokens drafted to running rows (`drafted`)
-            and those kept (`kept`).
+        max_rows: Draft only in a step of at most this many rows, else decode one token (vLLM's
+            `disable_by_batch_size`): a forward of k + 1 tokens a row costs more, against one of 1, the more rows it
+            runs; retired rows leave the batch as the answers stop. None: draft in every step.
+        counts: If given, gets the decode forwards run (`forwards`), the running rows they ran (`row_forwards`),
+            the tokens drafted to running rows (`drafted`) and those kept (`kept`).
         The others: as `rollout.sample`.
 
     Returns:
@@ -192,24 +197,29 @@ def speculative_sample(
                 rows, attention, position, last = rows[running], attention[running], position[running], last[running]
                 lookup.select(keep)
                 answers = [answers[i] for i in keep]
-            drafts = torch.tensor(lookup.draft(answers), dtype=torch.long, device=device)  # [R, k]
-            attention = _fit(cache, attention, k + 1)
-            attention = torch.cat([attention, attention.new_ones(attention.shape[0], k + 1)], dim=-1)
+            d = k if max_rows is None or rows.shape[0] <= max_rows else 0  # tokens drafted this step
+            drafts = torch.tensor(lookup.draft(answers) if d else [[]] * rows.shape[0], dtype=torch.long,
+                                  device=device)  # fmt: skip  # [R, d]
+            block = steps[: d + 1]
+            attention = _fit(cache, attention, d + 1)
+            attention = torch.cat([attention, attention.new_ones(attention.shape[0], d + 1)], dim=-1)
             out = model(input_ids=torch.cat([last[:, None], drafts], dim=-1), attention_mask=attention,
-                        position_ids=position[:, None] + steps, past_key_values=cache, use_cache=True)  # fmt: skip
-            logits = out.logits  # [R, k+1, V]
+                        position_ids=position[:, None] + block, past_key_values=cache, use_cache=True)  # fmt: skip
+            logits = out.logits  # [R, d+1, V]
             kept, new = verify(logits, drafts, temperature, top_p, top_k, generator)
             if counts is not None:
                 live = ~finished[rows]
                 counts["forwards"] = counts.get("forwards", 0) + 1
-                counts["drafted"] = counts.get("drafted", 0) + k * int(live.sum())
+                counts["row_forwards"] = counts.get("row_forwards", 0) + int(live.sum())
+                counts["drafted"] = counts.get("drafted", 0) + d * int(live.sum())
                 counts["kept"] = counts.get("kept", 0) + int(kept[live].sum())
-            attention[:, -k:] = (steps[1:] <= kept[:, None]).long()  # a rejected token's entry is masked out
-            emitted = torch.cat([drafts, new[:, None]], dim=-1)  # [R, k+1]; the first kept + 1 are written
+            if d:
+                attention[:, -d:] = (block[1:] <= kept[:, None]).long()  # a rejected token's entry is masked out
+            emitted = torch.cat([drafts, new[:, None]], dim=-1)  # [R, d+1]; the first kept + 1 are written
             emitted.scatter_(-1, kept[:, None], new[:, None])
             count = kept + 1
-            at = lengths[rows, None] + steps  # [R, k+1] where each would go
-            valid = (steps < count[:, None]) & (at < max_new_tokens) & ~finished[rows, None]
+            at = lengths[rows, None] + block  # [R, d+1] where each would go
+            valid = (block < count[:, None]) & (at < max_new_tokens) & ~finished[rows, None]
             is_stop = torch.isin(emitted, stops) & valid
             valid &= (is_stop.long().cumsum(-1) - is_stop.long()) == 0  # nothing after a row's first stop
             r, c = valid.nonzero(as_tuple=True)

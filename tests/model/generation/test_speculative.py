@@ -18,6 +18,7 @@ from interleave_model.generation.merged_copy import MergedCopy
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.speculative import Lookup, _sampling_probs, speculative_sample
 from interleave_model.model.policy import load_pretrained, stop_token_ids
+from interleave_model.settings import Sampling, SettingsError
 from tests.model.generation.test_rollout import _spread_weights
 
 # a chi-square test's false alarms: a correct sampler fails one run in FALSE_ALARM of each test below
@@ -84,6 +85,33 @@ def test_greedy_with_left_padding_stops_and_retired_rows_matches_hf_generate(fam
         assert counts["kept"] > counts["drafted"] / 2 and counts["forwards"] < 12  # < 24 steps of one token
     else:
         assert counts["kept"] < counts["drafted"] / 5
+
+
+def test_drafts_only_in_steps_of_at_most_max_rows_and_answers_as_without(family_folders):
+    model, tok = load_pretrained(str(family_folders["llama3"]))
+    _spread_weights(model)
+    stops = stop_token_ids(model, tok)
+    _stop_after_tokens_divisible_by(model, stops[-1], divisor=13)  # rows end at different steps
+    ids, mask = _prompts(tok, [("a b", "c d"), ("one two three four five six", "x y z w"), ("z", "y"), ("cat", "mat")])
+    widths = []  # each forward's (rows, tokens a row)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: widths.append(tuple(args[0].shape)))
+    kwargs = {"num_generations": 2, "max_new_tokens": 24, "temperature": 0.0, "stop_ids": stops,
+              "pad_token_id": tok.pad_token_id}  # fmt: skip
+    plain = sample(model, ids, mask, **kwargs)
+    sources = [row[m.bool()].tolist() for row, m in zip(plain[0][::2], plain[1][::2], strict=True)]
+    runs = {}
+    for max_rows in (None, 4):
+        widths.clear()
+        counts = {}
+        out = speculative_sample(model, ids, mask, **kwargs, sources=sources, draft_tokens=3, ngram=2, counts=counts,
+                                 max_rows=max_rows)  # fmt: skip
+        assert all(torch.equal(a, b) for a, b in zip(out[:3], plain[:3], strict=True))
+        runs[max_rows] = counts, widths[1:]  # the prefill left out
+    (every, every_widths), (small, small_widths) = runs[None], runs[4]
+    assert {width for rows, width in every_widths} == {4}  # the last token and 3 drafted, at 8 rows and fewer
+    assert all(width == (4 if rows <= 4 else 1) for rows, width in small_widths)
+    assert {rows > 4 for rows, _ in small_widths} == {True, False}, "steps of 8 rows, then of at most 4"
+    assert 0 < small["drafted"] < every["drafted"] and small["forwards"] > every["forwards"]
 
 
 def test_on_the_merged_copy_speculation_attends_by_blocks_and_keeps_its_answers_and_scores(family, monkeypatch):
@@ -173,8 +201,9 @@ def _chi_square_p(observed: dict, expected: dict[tuple[int, ...], float], n: int
     return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(statistic / 2)))
 
 
-@pytest.mark.parametrize(("temperature", "top_p", "top_k"), [(1.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 3)])
-def test_sampled_sequences_have_the_models_distribution(temperature, top_p, top_k):
+@pytest.mark.parametrize(("temperature", "top_p", "top_k", "max_rows"),
+                         [(1.0, 1.0, 0, None), (0.7, 0.9, 0, None), (1.3, 1.0, 3, None), (1.0, 1.0, 0, 0)])  # fmt: skip
+def test_sampled_sequences_have_the_models_distribution(temperature, top_p, top_k, max_rows):
     model, prompt, steps, n = _small_model(), [1, 2, 3], 3, 20000
     expected = _exact(model, prompt, steps, temperature, top_p, top_k)
     kwargs = {"num_generations": n, "max_new_tokens": steps, "stop_ids": [STOP], "pad_token_id": PAD,
@@ -183,11 +212,14 @@ def test_sampled_sequences_have_the_models_distribution(temperature, top_p, top_
     greedy = sample(model, ids, torch.ones_like(ids), **(kwargs | {"num_generations": 1, "temperature": 0.0}))[0]
     counts = {}  # drafts: the greedy answer, often but not always what a sample draws
     drafted, *_ = speculative_sample(model, ids, torch.ones_like(ids), **kwargs, sources=greedy.tolist(),
-                                     draft_tokens=2, ngram=1, counts=counts,
+                                     draft_tokens=2, ngram=1, counts=counts, max_rows=max_rows,
                                      generator=torch.Generator().manual_seed(1))  # fmt: skip
     plain, *_ = sample(model, ids, torch.ones_like(ids), **kwargs, generator=torch.Generator().manual_seed(2))
 
-    assert 0.1 < counts["kept"] / counts["drafted"] < 0.98, "drafts both kept and rejected, in thousands"
+    if max_rows == 0:  # no step drafts: each draws as a plain step, through the speculative path
+        assert counts["drafted"] == 0 and counts["forwards"] == steps - 1
+    else:
+        assert 0.1 < counts["kept"] / counts["drafted"] < 0.98, "drafts both kept and rejected, in thousands"
     for draws in (drafted, plain):  # the plain sampler as the test's control
         observed = {}
         for row in draws.tolist():
@@ -226,23 +258,38 @@ def test_recorded_log_probs_are_the_trainers_scores(family_folders):
     assert torch.allclose(logprobs, scores * completion_mask, atol=1e-4)
 
 
-def test_the_sampler_speculates_when_the_settings_ask(make_module):
-    module = make_module(sampling={"speculative_tokens": 3, "speculative_ngram": 2}).eval()
+def _sampled_with_spy(module) -> tuple[list[dict], object, list[int]]:
+    """A greedy rollout of one prompt by the module's sampler: the speculative draw's keyword arguments in each call,
+    the rollout, and the prompt's target."""
     enc = module.tokenizer(["A: the first B: a second Interleave:"], return_tensors="pt")
     target = module.tokenizer("the a first second", add_special_tokens=False)["input_ids"]
     batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "n_words": [2], "target_ids": [target]}
     calls = []
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["sources"])
+        calls.append(kwargs)
         return speculative_sample(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampler_module, "speculative_sample", spy)
-        greedy = module.sampler.rollout(batch, num_generations=2, temperature=0.0)
-    assert calls == [[target]]
+        rolled = module.sampler.rollout(batch, num_generations=2, temperature=0.0)
+    return calls, rolled, target
+
+
+def test_the_sampler_speculates_when_the_settings_ask(make_module):
+    module = make_module(sampling={"speculative_tokens": 3, "speculative_ngram": 2}).eval()
+    calls, greedy, target = _sampled_with_spy(module)
+    assert [call["sources"] for call in calls] == [[target]] and calls[0]["max_rows"] is None
     module.sampler.sampling.speculative_tokens = 0
-    assert module.sampler.rollout(batch, num_generations=2, temperature=0.0).texts == greedy.texts
+    calls, plain, _ = _sampled_with_spy(module)
+    assert calls == [] and plain.texts == greedy.texts
+
+
+def test_speculative_max_rows_is_checked_and_reaches_the_draw(make_module):
+    with pytest.raises(SettingsError, match="speculative_max_rows must be >= 1"):
+        Sampling(speculative_tokens=3, speculative_max_rows=0)
+    module = make_module(sampling={"speculative_tokens": 3, "speculative_max_rows": 2}).eval()
+    assert [call["max_rows"] for call in _sampled_with_spy(module)[0]] == [2]
 
 
 def test_the_exact_distribution_sums_to_one_over_every_outcome():
