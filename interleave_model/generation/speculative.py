@@ -116,7 +116,7 @@ def verify(
         p_draft = (scaled.gather(-1, drafts[..., None])[..., 0] - scaled.logsumexp(-1)).exp()  # [R, k]
     kept = (u[:, :k] < p_draft).long().cumprod(-1).sum(-1)  # [R]
     at = probs[rows, kept] if probs is not None else _sampling_probs(logits[rows, kept], temperature, 1.0, 0)
-    if k:  # nothing drafted: a plain step's draw
+    if k:  # the rejected drafted token removed; with none drafted, a plain step's draw
         rejected = torch.cat([drafts, drafts[:, :1]], dim=-1).gather(-1, kept[:, None])[:, 0]  # [R] (any: all kept)
         at = torch.where((kept < k)[:, None], at.scatter(-1, rejected[:, None], 0.0), at)  # [R, V]
     return kept, _draw(at, u[:, k:])[0]
