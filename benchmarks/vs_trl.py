@@ -230,6 +230,7 @@ def compare(runs: dict[str, list[dict]]) -> dict:
     }
     # the rows a forward each of our rounds took (`auto`: what it measured as the fastest there)
     medians["ours"]["micro_batch_sizes"] = [r.get("micro_batch_size") for r in runs["ours"]]
+    medians["ours"]["merged_copy_dtypes"] = [r.get("merged_copy_dtype") for r in runs["ours"]]
     ours, trl = medians["ours"], medians["trl"]
 
     def ratio(key: str) -> float:
