@@ -71,8 +71,8 @@ def measure(args: argparse.Namespace, words: int, cache_dir: str) -> dict:
     harness.quiet_trainer(args.accelerator, precision, args.warmup + args.steps).fit(model, datamodule=data)
     report = harness.summarize([*records, harness.mark()], args.warmup, max(r["width"] for r in records))
     report["micro_batch_size"] = model.micro_batch_size  # the rows a forward the update took (auto: what it chose)
-    copy = getattr(model.sampler, "copy", None)
-    report["merged_copy_dtype"] = copy.dtype if copy is not None else None  # the copy sampled from (auto: its choice)
+    copy = model.sampler.copy  # the merged copy sampled from (auto: its choice), None without one
+    report["merged_copy_dtype"] = copy.dtype if copy is not None else None
     if torch.cuda.is_available() and args.accelerator != "cpu":
         report["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
         report["peak_gpu_reserved_mb"] = round(torch.cuda.max_memory_reserved() / 2**20, 1)
