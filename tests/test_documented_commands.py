@@ -37,9 +37,10 @@ from tests.preloaded import Preloaded
 ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Everyday commands", "Your own model", "On a GPU")
 MODEL = "/models/X"  # any model folder a command names; the Llama-3-style fixture when it runs
-# appended to every `python cli.py ...`: two steps (one warm-start, one GRPO), a handful of pairs, one small batch
-CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",
-             "--trainer.limit_test_batches=1", "--trainer.limit_predict_batches=1", "--data.sft_steps=1",
+# appended to every `python cli.py ...`: two steps (one warm-start, one GRPO), a handful of pairs, small batches, at
+# most two of them an evaluation (Lightning's CLI reads a limit of 1 as the float 1.0: every batch)
+CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+             "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=2", "--data.sft_steps=1",
              "--data.train_pairs=8", "--data.val_pairs=2", "--data.test_pairs=2", "--data.eval_stages=[10]",
              "--data.batch_size=1", "--data.sft_batch_size=2", "--data.eval_batch_size=2",
              "--model.sampling.num_generations=2"]  # fmt: skip
@@ -230,6 +231,8 @@ def test_a_documented_command_does_its_job(command, outcomes):
     assert "Traceback" not in output, output[-3000:]
     if refusal is None:
         assert done.returncode == 0, output[-3000:]
+        evaluated = [int(n) for n in re.findall(r"\((\d+) pairs\)", done.stdout)]  # a held-out score's pairs
+        assert all(n <= 4 for n in evaluated), f"the short settings evaluated {evaluated} pairs a length"
         return
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(errors) == 1, output[-3000:]
