@@ -11,6 +11,10 @@ One batch of `--rows` rows (prompts of `--prompt-tokens` tokens, `--rows / --gen
 - `copy_float32`, `copy_bfloat16`: the sampler's merged copy (`model.sampling.merged_copy`, its `grouped_decode`
   attention), and `copy_kl`, the mean KL divergence (nats per token) of each copy's next-token distribution from the
   model's over the prompt's positions: the policy mismatch its rollout brings;
+- `copy_bfloat16_prepacked` (CPU with oneDNN bf16): the bfloat16 copy with every linear layer's weight reordered
+  once into oneDNN's blocked layout (`torch.ops.mkldnn._reorder_linear_weight`, what inductor's weight prepacking
+  uses), and `prepacked_max_logprob_diff`, its largest log-prob difference from the plain bfloat16 copy over the
+  prompt's positions;
 - `int8` (`--int8`, CPU): a copy with the adapter merged and every decoder linear layer dynamically quantized to int8
   (per-channel weights, `torch.ao.quantization.quantize_dynamic`), and `int8_kl`, the mean KL divergence (nats per
   token) of its next-token distribution from the model's, over the prompt's positions: the policy mismatch such a
@@ -69,6 +73,31 @@ def corpus_prompts(tokenizer, groups: int, length: int):
     ids = tokenizer(words, add_special_tokens=False)["input_ids"]
     need = groups * length
     return torch.tensor((ids * (need // len(ids) + 1))[:need]).view(groups, length)
+
+
+class PrepackedLinear:
+    """A bfloat16 linear layer whose weight is reordered once into oneDNN's blocked layout for `rows` rows a call (what
+    inductor's CPU weight prepacking does), instead of at every call."""
+
+    def __init__(self, linear, rows: int) -> None:
+        import torch
+
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def __call__(self, x):
+        import torch
+
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+
+def prepack_linears(model, rows: int) -> None:
+    """Every `nn.Linear` of `model` (bfloat16, CPU) swapped, in place, for a `PrepackedLinear`."""
+    import torch
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):  # it keeps its place (and its hooks); its call is the packed one
+            module.forward = PrepackedLinear(module, rows)
 
 
 def int8_copy(model):
@@ -179,6 +208,12 @@ def main(argv: list[str] | None = None) -> dict:
             p = lora_logits.log_softmax(-1)
             q = copy(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float().log_softmax(-1)
         record.setdefault("copy_kl", {})[dtype] = round(float((p.exp() * (p - q)).sum(-1).mean()), 6)
+        if dtype == "bfloat16" and device == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            prepack_linears(copy, rows=groups * args.generations)
+            record["ms_per_step"]["copy_bfloat16_prepacked"] = timed(lambda copy=copy: rollout(copy))
+            with torch.no_grad():
+                packed = copy(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float().log_softmax(-1)
+            record["prepacked_max_logprob_diff"] = round(float((packed - q).abs().max()), 5)
         del copy
     if args.int8 and device == "cpu":
         quantized = int8_copy(model)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -18,8 +20,11 @@ def test_every_variant_is_timed_and_the_merged_adapter_scores_alike():
     assert done.returncode == 0, done.stderr[-2000:]
     (line,) = [line for line in done.stdout.splitlines() if line.startswith("{")]
     record = json.loads(line)
+    prepacked = {"copy_bfloat16_prepacked"} if torch.ops.mkldnn._is_mkldnn_bf16_supported() else set()
     assert set(record["ms_per_step"]) == {"lora", "lora_no_autocast", "merged", "base", "int8", "copy_float32",
-                                          "copy_bfloat16"}  # fmt: skip
+                                          "copy_bfloat16", *prepacked}  # fmt: skip
+    if prepacked:  # the same weights in another layout: the same distribution, to bfloat16's rounding
+        assert 0 <= record["prepacked_max_logprob_diff"] < 0.1
     assert record["int8_kl"] >= 0
     assert 0 <= record["copy_kl"]["float32"] < 1e-5 and record["copy_kl"]["bfloat16"] >= 0
     assert all(ms > 0 for ms in record["ms_per_step"].values())
