@@ -92,7 +92,7 @@ class PrepackedLinear:
 
 
 def prepack_linears(model, rows: int) -> None:
-    """Every `nn.Linear` of `model` (bfloat16, CPU) swapped, in place, for a `PrepackedLinear`."""
+    """Every `nn.Linear` of `model` (bfloat16, CPU) made to run as a `PrepackedLinear`, in place."""
     import torch
 
     for module in model.modules():

@@ -38,12 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Everyday commands", "Your own model", "On a GPU")
 MODEL = "/models/X"  # any model folder a command names; the Llama-3-style fixture when it runs
 # appended to every `python cli.py ...`: two steps (one warm-start, one GRPO), a handful of pairs, small batches, at
-# most two of them an evaluation (Lightning's CLI reads a limit of 1 as the float 1.0: every batch)
-CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
-             "--trainer.limit_test_batches=2", "--trainer.limit_predict_batches=2", "--data.sft_steps=1",
-             "--data.train_pairs=8", "--data.val_pairs=2", "--data.test_pairs=2", "--data.eval_stages=[10]",
-             "--data.batch_size=1", "--data.sft_batch_size=2", "--data.eval_batch_size=2",
-             "--model.sampling.num_generations=2"]  # fmt: skip
+# most EVAL_BATCHES of them an evaluation (Lightning's CLI reads a limit of 1 as the float 1.0: every batch)
+EVAL_BATCHES, EVAL_BATCH_SIZE = 2, 2
+CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", f"--trainer.limit_val_batches={EVAL_BATCHES}",
+             f"--trainer.limit_test_batches={EVAL_BATCHES}", f"--trainer.limit_predict_batches={EVAL_BATCHES}",
+             "--data.sft_steps=1", "--data.train_pairs=8", "--data.val_pairs=2", "--data.test_pairs=2",
+             "--data.eval_stages=[10]", "--data.batch_size=1", "--data.sft_batch_size=2",
+             f"--data.eval_batch_size={EVAL_BATCH_SIZE}", "--model.sampling.num_generations=2"]  # fmt: skip
 GENERATE_SHORT = ["--train-pairs=8", "--val-pairs=2", "--test-pairs=2"]
 REFUSAL = re.compile(r'on a CPU: exit 2, "([^"]+)"')  # in a command's comment: what its one error line says
 # A run's export of a stage it learned (`CurriculumCallback`: the folder `cli.py export` writes), which the two-step
@@ -232,7 +233,8 @@ def test_a_documented_command_does_its_job(command, outcomes):
     if refusal is None:
         assert done.returncode == 0, output[-3000:]
         evaluated = [int(n) for n in re.findall(r"\((\d+) pairs\)", done.stdout)]  # a held-out score's pairs
-        assert all(n <= 4 for n in evaluated), f"the short settings evaluated {evaluated} pairs a length"
+        most = EVAL_BATCHES * EVAL_BATCH_SIZE
+        assert all(n <= most for n in evaluated), f"the short settings evaluated {evaluated} pairs a length"
         return
     errors = [line for line in done.stderr.splitlines() if "error:" in line]
     assert done.returncode == 2 and len(errors) == 1, output[-3000:]
