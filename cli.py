@@ -23,6 +23,7 @@ from interleave_model.generation.vllm_engine import close_engines
 from interleave_model.legacy import MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.model.export import export, load_weights
 from interleave_model.model.policy import TINY, PolicyError
+from interleave_model.model.positions import CoupledPositionsError
 from interleave_model.model.shipped import resolve_model
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import report, stage_fits
@@ -37,7 +38,16 @@ from interleave_model.runtime.machine import MachineError, settle, settle_engine
 from interleave_model.settings import SettingsError
 
 # Errors in what the user gave (a corpus, a model path, an export folder): one line on stderr, exit 2, no traceback.
-USER_ERRORS = (CorpusError, PolicyError, FileExistsError, RunError, MachineError, MovedKeyError, SettingsError)
+USER_ERRORS = (
+    CorpusError,
+    PolicyError,
+    CoupledPositionsError,
+    FileExistsError,
+    RunError,
+    MachineError,
+    MovedKeyError,
+    SettingsError,
+)
 
 
 class InterleaveTrainer(Trainer):

@@ -54,6 +54,7 @@ AdvantageEstimator = Literal["grpo", "rloo"]
 AdvantageSign = Literal["both", "positive", "negative"]
 GuidanceLoss = Literal["phi", "ce"]
 LrSchedule = Literal["cosine", "constant"]
+TinyPositions = Literal["rope", "coupled", "none"]
 
 
 class SettingsError(ValueError):
@@ -368,6 +369,10 @@ class TinyModelConfig:
         embedding_std: Standard deviation of the (tied) embeddings' random init. As output rows they set how sharp
             the softmax can get: at 0.02 (the Llama default) supervised training plateaued near 0.92 held-out at
             10 words; at 0.1 the same run reached 0.98.
+        positions: How the model numbers its tokens. "rope": rotary positions 0, 1, 2, ... (a stock Llama);
+            "coupled": rotary positions coupled to the source words (`model.positions`: each answer word at its
+            source word's position), which only the own sampler runs; "none": no positional encoding (NoPE, a
+            SmolLM3 with rotary off in every layer).
     """
 
     hidden_size: int = 128
@@ -377,6 +382,7 @@ class TinyModelConfig:
     max_position_embeddings: int = 4096
     freeze_embeddings: bool = True
     embedding_std: float = 0.1
+    positions: TinyPositions = "rope"
 
 
 ALL_LINEAR = "all-linear"

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout_cache import rollout_cache
+from interleave_model.model.positions import model_positions
 
 _BLOCK = 256  # tokens per block of the sampler's two-level CDF
 _CHECK_EVERY = 8  # decode steps between two looks at which rows have stopped
@@ -26,14 +27,6 @@ class Rollout(NamedTuple):
     truncated: Tensor  # [P*G] bool: the budget ran out before a stop token
     texts: list[str]  # the decoded tokens before the first stop token (see `completion_texts`)
     logprobs: Tensor | None = None  # [P*G, C] the sampling engine's log-probs of its tokens (vLLM, a merged copy)
-
-
-def position_ids(attention_mask: Tensor) -> Tensor:
-    """Positions that skip left padding: the first real token of each row is 0. [N, L] -> [N, L].
-
-    Sampling and scoring must use the same positions, or the policy's log-probs drift from the sampler's.
-    """
-    return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
 def token_budget(target_lengths: Sequence[int], margin: float = 0.25, slack: int = 4) -> int:
@@ -105,7 +98,7 @@ def sample(
     model.eval()  # dropout off while sampling, so the rollout is drawn from the policy being scored
     try:
         G = num_generations
-        positions = position_ids(prompt_mask)  # [P, Lp]
+        positions = model_positions(model, prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
         shared = _attention_implementation(model) == GROUPED_DECODE
@@ -178,7 +171,7 @@ def prefill(
     out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        position_ids=position_ids(prompt_mask),
+        position_ids=model_positions(model, prompt_mask),
         past_key_values=cache,
         use_cache=True,
         # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,

@@ -18,6 +18,7 @@ from interleave_model.generation.rollout import Rollout, answer_budget, rollout,
 from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY
+from interleave_model.model.positions import refuse_coupled
 from interleave_model.runtime.machine import warn
 from interleave_model.settings import Sampling, VllmSettings
 
@@ -63,6 +64,8 @@ class Sampler:
         self.vllm, self.seed = vllm, seed
         self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
         self.copy: MergedCopy | None = None  # built at the first training rollout with `sampling.merged_copy`
+        if engine == "vllm":
+            refuse_coupled(policy, "model.rollout_engine: vllm")
 
     def rollout(
         self,

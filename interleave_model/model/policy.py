@@ -9,11 +9,21 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
+)
 from transformers.pytorch_utils import Conv1D
 
 from interleave_data.corpus import first_line, load_corpus
 from interleave_data.prompts import format_prompt
+from interleave_model.model.positions import COUPLED
 from interleave_model.settings import ALL_LINEAR, TINY, LoraSettings, TinyModelConfig
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
@@ -43,6 +53,9 @@ def build_policy(
     if model_name_or_path != TINY:
         policy, tokenizer = load_pretrained(model_name_or_path, dtype, attn_implementation, trust_remote_code)
     else:
+        if tiny.positions == "coupled" and template != "compact":
+            raise PolicyError(f"model.tiny.positions: coupled numbers the compact template's words; data.template is "
+                              f"{template!r}: set it to compact")  # fmt: skip
         texts = [t.words for t in load_corpus(corpus).texts]
         tokenizer = build_tiny_tokenizer(texts, extra_words=format_prompt("", "", template).split())
         policy = build_tiny_model(tokenizer, tiny, seed=seed)
@@ -81,9 +94,14 @@ def build_tiny_tokenizer(texts: Sequence[Sequence[str]], extra_words: Sequence[s
     return PreTrainedTokenizerFast(tokenizer_object=backend, padding_side="left", **SPECIAL_TOKENS)
 
 
-def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig, seed: int = 0) -> LlamaForCausalLM:
-    """A freshly initialised small Llama sized to `tokenizer`, seeded so every rank builds the same weights."""
-    llama = LlamaConfig(
+def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig, seed: int = 0) -> PreTrainedModel:
+    """A freshly initialised small Llama sized to `tokenizer`, seeded so every rank builds the same weights.
+
+    `config.positions` "coupled" marks the Llama's config (`position_coupling`, saved in config.json) so that every
+    forward of the project passes coupled positions; "none" builds a SmolLM3 (a Llama whose layers may skip rotary
+    positions) with rotary off in every layer, which `from_pretrained`, vLLM and `generate` run as they are.
+    """
+    shape = dict(
         vocab_size=len(tokenizer),
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -96,8 +114,14 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
+    if config.positions == "none":
+        nope = SmolLM3Config(**shape, no_rope_layers=[0] * config.num_layers, use_sliding_window=False)
+        model_class, model_config = SmolLM3ForCausalLM, nope
+    else:
+        coupling = {"position_coupling": COUPLED} if config.positions == "coupled" else {}
+        model_class, model_config = LlamaForCausalLM, LlamaConfig(**shape, **coupling)
     with _seeded(seed):
-        model = LlamaForCausalLM(llama)
+        model = model_class(model_config)
         torch.nn.init.normal_(model.get_input_embeddings().weight, std=config.embedding_std)
     if config.freeze_embeddings:
         model.get_input_embeddings().weight.requires_grad_(False)
