@@ -16,6 +16,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_CONFIG = Path(__file__).parent / "configs" / "tiny.yaml"
 TINY_SHAPE = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}
+TINY_POSITIONS = "coupled"  # the shipped tiny configs' positions: the tests' subject is the model users run
 SET_NUM_THREADS = torch.set_num_threads  # torch's own, taken before any engine can replace it
 
 
@@ -59,7 +60,11 @@ def make_module():
     from interleave_model.settings import field_values
 
     def make(**overrides):
-        kwargs = {"tiny": TinyModelConfig(**TINY_SHAPE), "template": "compact", "sampling": {"num_generations": 2}}
+        kwargs = {
+            "tiny": TinyModelConfig(**TINY_SHAPE, positions=TINY_POSITIONS),
+            "template": "compact",
+            "sampling": {"num_generations": 2},
+        }
         for name, value in overrides.items():
             default = kwargs.get(name)
             if isinstance(default, dict):  # a group: the defaults' values, then the test's

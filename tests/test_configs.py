@@ -149,6 +149,28 @@ def test_the_3b_configs_ask_for_the_model_in_one_line(config, subcommand, tmp_pa
 ARMS = sorted((ROOT / "configs" / "arms").glob("*.yaml"))
 
 
+def _leaves(tree: dict, path: tuple[str, ...] = ()):
+    """(path, value) of every setting a parsed config gives, its groups walked (a list is one value)."""
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _leaves(value, (*path, key))
+        else:
+            yield (*path, key), value
+
+
+def _named(value):
+    """A list of classes by their class paths (the parser adds their defaults' `init_args`)."""
+    if not isinstance(value, list):
+        return value
+    return [v["class_path"] if isinstance(v, dict) and "class_path" in v else v for v in value]
+
+
+def _at(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
 @pytest.mark.parametrize("overlay", ARMS, ids=lambda p: p.name)
 def test_arm_overlays_parse_on_the_base_they_name(overlay, capsys):
     base = re.search(r"Overlay on (configs/[\w.-]+\.yaml)", overlay.read_text())
@@ -158,7 +180,8 @@ def test_arm_overlays_parse_on_the_base_they_name(overlay, capsys):
     assert exit_.value.code in (0, None)
     printed = yaml.safe_load(capsys.readouterr().out)
     overlaid = yaml.safe_load(overlay.read_text())
-    assert printed["data"]["stages"] == overlaid["data"]["stages"]  # the overlay's own values win
+    for path, value in _leaves(overlaid):  # the overlay's own values win
+        assert _named(_at(printed, path)) == _named(value), f"{overlay.name}: {'.'.join(path)}"
     # the curriculum they make together: per-stage lists as long as the overlay's stages (a fit would refuse them)
     from interleave_data.curriculum import Curriculum, CurriculumSettings
     from interleave_data.length_schedule import AdaptiveLength

@@ -29,7 +29,7 @@ ACCELERATOR_SUB_BATCH_TOKENS = 512
 
 def completion_logits(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, width: int) -> Tensor:
     """Logits that predict the last `width` tokens of each row (the completion), [N, width, V]."""
-    positions = model_positions(model, attention_mask, attention_mask.shape[1] - width)  # [N, L]
+    positions = model_positions(model, input_ids, attention_mask, input_ids.shape[1] - width)  # [N, L]
     out = model(
         input_ids=input_ids,
         attention_mask=attention_mask,
@@ -115,7 +115,7 @@ def completion_hidden(
     similar length (`length_buckets`), each padded only to its own longest, when the model's cache is a plain one:
     a group whose completions range from a few tokens to the budget no longer runs every row to the budget.
     """
-    positions = model_positions(decoder, attention_mask, attention_mask.shape[1] - width)  # [N, L]
+    positions = model_positions(decoder, input_ids, attention_mask, input_ids.shape[1] - width)  # [N, L]
     # under gradient checkpointing HF trains without a cache, so the prompt's keys and values cannot be handed on
     checkpointing = decoder.training and getattr(decoder, "gradient_checkpointing", False)
     if checkpointing or not shares_prompts(input_ids, attention_mask, width, group_size):

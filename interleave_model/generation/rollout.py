@@ -98,7 +98,7 @@ def sample(
     model.eval()  # dropout off while sampling, so the rollout is drawn from the policy being scored
     try:
         G = num_generations
-        positions = model_positions(model, prompt_mask)  # [P, Lp]
+        positions = model_positions(model, prompt_ids, prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
         shared = _attention_implementation(model) == GROUPED_DECODE
@@ -171,7 +171,7 @@ def prefill(
     out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        position_ids=model_positions(model, prompt_mask),
+        position_ids=model_positions(model, prompt_ids, prompt_mask),
         past_key_values=cache,
         use_cache=True,
         # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,

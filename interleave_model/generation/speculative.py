@@ -165,7 +165,7 @@ def speculative_sample(
     try:
         G, k = num_generations, draft_tokens
         device = prompt_ids.device
-        positions = model_positions(model, prompt_mask)  # [P, Lp]
+        positions = model_positions(model, prompt_ids, prompt_mask)  # [P, Lp]
         # room for the answers twice over: rejected entries stay until `_fit` squeezes them out
         capacity = prompt_ids.shape[1] + 2 * max_new_tokens + 2 * (k + 1)
         cache, _, logits = prefill(model, prompt_ids, prompt_mask, capacity, G)

@@ -23,7 +23,7 @@ from transformers.pytorch_utils import Conv1D
 
 from interleave_data.corpus import first_line, load_corpus
 from interleave_data.prompts import format_prompt
-from interleave_model.model.positions import COUPLED
+from interleave_model.model.positions import COUPLED, COUPLING_MARKERS
 from interleave_model.settings import ALL_LINEAR, TINY, LoraSettings, TinyModelConfig
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
@@ -118,7 +118,8 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
         nope = SmolLM3Config(**shape, no_rope_layers=[0] * config.num_layers, use_sliding_window=False)
         model_class, model_config = SmolLM3ForCausalLM, nope
     else:
-        coupling = {"position_coupling": COUPLED} if config.positions == "coupled" else {}
+        markers = tokenizer.convert_tokens_to_ids(COUPLING_MARKERS)
+        coupling = {"position_coupling": COUPLED, "coupling_markers": markers} if config.positions == "coupled" else {}
         model_class, model_config = LlamaForCausalLM, LlamaConfig(**shape, **coupling)
     with _seeded(seed):
         model = model_class(model_config)

@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 COUPLED = "interleave"  # `config.position_coupling` of a model trained on coupled positions
-PROMPT_MARKERS = 3  # A:, B:, Interleave: around the 2N words of a compact prompt
+COUPLING_MARKERS = ("A:", "B:", "Interleave:")  # the compact prompt's words around its 2N fragment words
+PROMPT_MARKERS = len(COUPLING_MARKERS)
 
 
 class CoupledPositionsError(ValueError):
@@ -40,25 +41,35 @@ def is_coupled(model: torch.nn.Module) -> bool:
     return getattr(getattr(model, "config", None), "position_coupling", None) == COUPLED
 
 
-def model_positions(model: torch.nn.Module, attention_mask: Tensor, prompt_length: int | None = None) -> Tensor:
-    """The positions `model` runs `attention_mask`'s rows at: [N, L].
+def model_positions(
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int | None = None
+) -> Tensor:
+    """The positions `model` runs the rows of `input_ids` at: [N, L].
 
     Args:
-        attention_mask: [N, L], a left-padded prompt in its first `prompt_length` columns, then the answer.
+        input_ids: [N, L], a left-padded prompt in its first `prompt_length` columns, then the answer.
+        attention_mask: [N, L], 1 for real tokens.
         prompt_length: Columns of the prompt; None means the whole row is prompt.
     """
     if not is_coupled(model):
         return position_ids(attention_mask)
-    return coupled_positions(attention_mask, attention_mask.shape[1] if prompt_length is None else prompt_length)
+    length = attention_mask.shape[1] if prompt_length is None else prompt_length
+    return coupled_positions(attention_mask, length, input_ids, getattr(model.config, "coupling_markers", None))
 
 
-def coupled_positions(attention_mask: Tensor, prompt_length: int) -> Tensor:
+def coupled_positions(
+    attention_mask: Tensor, prompt_length: int, input_ids: Tensor | None = None, markers: list[int] | None = None
+) -> Tensor:
     """Coupled positions (module docstring) of compact prompts in the first `prompt_length` columns and their answers
     after them: [N, L] -> [N, L]. A prompt of 2N + 3 tokens has no BOS; one of 2N + 4 starts with it (position 0).
     Padding gets the position of the token before it (0 for left padding).
 
+    Args:
+        markers: The ids of `A:`, `B:` and `Interleave:` (`config.coupling_markers`); with `input_ids`, a prompt
+            whose markers are not where its length puts them (a hint after `Interleave:`, another template) is refused.
+
     Raises:
-        ValueError: A prompt that is not `[<s>] A: a1 .. aN B: b1 .. bN Interleave:`, one token each.
+        CoupledPositionsError: A prompt that is not `[<s>] A: a1 .. aN B: b1 .. bN Interleave:`, one token each.
     """
     prompt_tokens = attention_mask[:, :prompt_length].sum(-1, keepdim=True)  # [N, 1]
     bos = (prompt_tokens % 2 == 0).long()  # [N, 1] 2N + 4 tokens: a BOS first
@@ -69,12 +80,27 @@ def coupled_positions(attention_mask: Tensor, prompt_length: int) -> Tensor:
             "A: a1 .. aN B: b1 .. bN Interleave:); set data.template: compact with the embedded tiny model"
         )
     q = attention_mask.cumsum(-1) - 1 - bos  # [N, L] the token's index in its row: BOS -1, left padding below
+    if markers is not None and input_ids is not None:
+        _check_markers(
+            input_ids[:, :prompt_length], attention_mask[:, :prompt_length], q[:, :prompt_length], n, markers
+        )
     coupled = torch.where(q == 0, 1, 0)  # BOS 0, A: 1
     coupled = torch.where((q >= 1) & (q <= n), 2 * q, coupled)  # a_i (i = q) at 2i
     coupled = torch.where(q == n + 1, 2 * n + 2, coupled)  # B:
     coupled = torch.where((q >= n + 2) & (q <= 2 * n + 1), 2 * (q - n - 1) + 1, coupled)  # b_i (i = q - n - 1)
     coupled = torch.where(q == 2 * n + 2, 1, coupled)  # Interleave:
     return torch.where(q >= 2 * n + 3, q - 2 * n - 1, coupled)  # answer word k (k = q - 2n - 2) at k + 1
+
+
+def _check_markers(prompt_ids: Tensor, prompt_mask: Tensor, q: Tensor, n: Tensor, markers: list[int]) -> None:
+    """Refuse prompts whose `A:`, `B:` and `Interleave:` are not at the indices 0, N + 1 and 2N + 2 (all [P, Lp])."""
+    a, b, interleave = markers
+    expected = torch.where(q == 0, a, torch.where(q == n + 1, b, torch.where(q == 2 * n + 2, interleave, -1)))
+    if bool(((expected >= 0) & (prompt_mask == 1) & (prompt_ids != expected)).any()):
+        raise CoupledPositionsError(
+            "coupled positions need prompts of the compact template alone (A: a1 .. aN B: b1 .. bN Interleave:); "
+            "a prompt has its markers elsewhere (hints after Interleave:, or another template)"
+        )
 
 
 def refuse_coupled(model_or_config, runtime: str) -> None:

@@ -16,6 +16,13 @@ from interleave_model.model.policy import LoraSettings, PolicyError
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
 
 
+@pytest.fixture(autouse=True)
+def stock_positions(monkeypatch):
+    # these texts are whole sequences scored from their first token, which numbers tokens 0, 1, 2, ...: the stock Llama
+    # (a coupled folder's round trip: tests/model/model/test_positions.py)
+    monkeypatch.setattr("tests.conftest.TINY_POSITIONS", "rope")
+
+
 def _logprobs(model, tokenizer) -> torch.Tensor:
     """Log-probs of every token after the first, as the module computes them for the loss. [B, L-1]"""
     encoded = tokenizer(TEXTS, padding=True, return_tensors="pt")

@@ -60,12 +60,23 @@ def test_a_prompt_coupled_positions_cannot_number_is_refused():
 
 
 def test_only_a_coupled_model_gets_coupled_positions():
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1]])
-    rope, _, _ = _policy("rope")
+    rope, tokenizer, _ = _policy("rope")
     coupled, _, _ = _policy("coupled")
-    assert torch.equal(model_positions(rope, mask), position_ids(mask))
-    assert model_positions(coupled, mask).tolist() == [[0, 1, 2, 4, 3, 1]]
+    encoded = tokenizer([format_prompt("a", "b", "compact"), format_prompt("a b", "c d", "compact")], padding=True,
+                        return_tensors="pt")  # fmt: skip
+    ids, mask = encoded.input_ids, encoded.attention_mask
+    assert torch.equal(model_positions(rope, ids, mask), position_ids(mask))
+    assert model_positions(coupled, ids, mask).tolist() == [[0, 0, 1, 2, 4, 3, 1], [1, 2, 4, 6, 3, 5, 1]]
     assert coupled.config.position_coupling == COUPLED and not hasattr(rope.config, "position_coupling")
+
+
+def test_a_prompt_with_its_markers_elsewhere_is_refused():
+    """A hint after `Interleave:` (or any other text) would shift every position silently: the markers are checked."""
+    coupled, tokenizer, _ = _policy("coupled")
+    for prompt in (format_prompt("a b", "c d", "compact") + " a c", "B: a b A: c d Interleave:"):
+        encoded = tokenizer([prompt], return_tensors="pt")
+        with pytest.raises(CoupledPositionsError, match="markers elsewhere"):
+            model_positions(coupled, encoded.input_ids, encoded.attention_mask)
 
 
 @pytest.mark.parametrize("positions", ["coupled", "rope", "none"])
@@ -88,12 +99,16 @@ def test_the_sampler_and_the_update_score_the_same_positions(positions):
 
 
 def test_a_coupled_model_saves_and_loads_as_coupled(tmp_path):
-    policy, _, _ = _policy("coupled")
+    policy, tokenizer, _ = _policy("coupled")
     policy.save_pretrained(tmp_path)
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert loaded.config.position_coupling == COUPLED
-    mask = torch.ones(1, 7, dtype=torch.long)
-    assert torch.equal(model_positions(loaded, mask), model_positions(policy, mask))
+    assert loaded.config.coupling_markers == policy.config.coupling_markers
+    encoded = tokenizer([format_prompt("a b", "c d", "compact") + " a c b d"], return_tensors="pt")
+    answer = encoded.input_ids[:, -4:]  # scored as the answer to the prompt before it
+    scored = [completion_logprobs(m.eval(), encoded.input_ids, encoded.attention_mask, answer, 1.0)[0]
+              for m in (policy, loaded)]  # fmt: skip
+    torch.testing.assert_close(scored[0], scored[1])
 
 
 def test_runtimes_that_number_tokens_themselves_refuse_a_coupled_model():
