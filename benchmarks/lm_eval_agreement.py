@@ -44,8 +44,11 @@ def lm_eval_rows(args: argparse.Namespace, folder: Path) -> dict[int, dict]:
     """lm-eval's hf backend on the same pairs: each task's results, by length."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
+    from interleave_model.model.positions import refuse_coupled
+
+    refuse_coupled(AutoConfig.from_pretrained(folder), "lm-eval's hf backend")
     chat = bool(getattr(AutoTokenizer.from_pretrained(folder), "chat_template", None))
     manager = TaskManager(include_path=str(FOLDER), metadata={"test_pairs": args.pairs, "template": args.template})
     out = lm_eval.simple_evaluate(

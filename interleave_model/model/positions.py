@@ -98,8 +98,8 @@ def _check_markers(prompt_ids: Tensor, prompt_mask: Tensor, q: Tensor, n: Tensor
     expected = torch.where(q == 0, a, torch.where(q == n + 1, b, torch.where(q == 2 * n + 2, interleave, -1)))
     if bool(((expected >= 0) & (prompt_mask == 1) & (prompt_ids != expected)).any()):
         raise CoupledPositionsError(
-            "coupled positions need prompts of the compact template alone (A: a1 .. aN B: b1 .. bN Interleave:); "
-            "a prompt has its markers elsewhere (hints after Interleave:, or another template)"
+            "coupled positions number prompts of the compact template alone (A: a1 .. aN B: b1 .. bN Interleave:), "
+            "and a prompt has its markers elsewhere (a hint, another template): set data.template: compact"
         )
 
 

@@ -121,3 +121,19 @@ def test_runtimes_that_number_tokens_themselves_refuse_a_coupled_model():
 def test_coupled_positions_need_the_compact_template():
     with pytest.raises(PolicyError, match="data.template is 'two_processes': set it to compact"):
         _policy("coupled", template="two_processes")
+
+
+def test_a_saved_coupled_folder_tests_with_the_compact_template_and_refuses_another(tmp_path, capsys):
+    from cli import run
+    from tests.conftest import TINY_CONFIG
+
+    policy, tokenizer, _ = _policy("coupled")
+    policy.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    common = ["test", "--config", str(TINY_CONFIG), f"--model.base.name_or_path={tmp_path / 'model'}",
+              f"--trainer.default_root_dir={tmp_path}", "--data.eval_stages=[4]", "--data.test_pairs=2"]  # fmt: skip
+    assert run(common) == 0
+    capsys.readouterr()
+    assert run([*common, "--data.template=two_processes"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "set data.template: compact" in errors[0]
