@@ -38,12 +38,14 @@ ROOT = Path(__file__).resolve().parent.parent
 SECTIONS = ("Everyday commands", "Your own model", "On a GPU")
 MODEL = "/models/X"  # any model folder a command names; the Llama-3-style fixture when it runs
 # appended to every `python cli.py ...`: two steps (one warm-start, one GRPO), a handful of pairs, small batches, at
-# most EVAL_BATCHES of them an evaluation (Lightning's CLI reads a limit of 1 as the float 1.0: every batch)
+# most EVAL_BATCHES of them an evaluation (Lightning's CLI reads a limit of 1 as the float 1.0: every batch), at one
+# length (so no milestone is gated on a held-out score: one at a length never evaluated is refused)
 EVAL_BATCHES, EVAL_BATCH_SIZE = 2, 2
 CLI_SHORT = ["--trainer.max_steps=2", "--trainer.val_check_interval=2", f"--trainer.limit_val_batches={EVAL_BATCHES}",
              f"--trainer.limit_test_batches={EVAL_BATCHES}", f"--trainer.limit_predict_batches={EVAL_BATCHES}",
              "--data.sft_steps=1", "--data.train_pairs=8", "--data.val_pairs=2", "--data.test_pairs=2",
-             "--data.eval_stages=[10]", "--data.batch_size=1", "--data.sft_batch_size=2",
+             "--data.eval_stages=[10]", "--data.curriculum.val_threshold=null", "--data.batch_size=1",
+             "--data.sft_batch_size=2",
              f"--data.eval_batch_size={EVAL_BATCH_SIZE}", "--model.sampling.num_generations=2"]  # fmt: skip
 GENERATE_SHORT = ["--train-pairs=8", "--val-pairs=2", "--test-pairs=2"]
 REFUSAL = re.compile(r'on a CPU: exit 2, "([^"]+)"')  # in a command's comment: what its one error line says
