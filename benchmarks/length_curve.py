@@ -72,13 +72,13 @@ def main_() -> None:
     context = provenance(args.threads)
     sys.argv = sys.argv[:1]  # the CLI reads its arguments from `main`'s, not from this command line
     configs = list(args.config) + ([args.warm] if args.warm else [])
+    route = Path(args.warm).stem if args.warm else None
     with tempfile.TemporaryDirectory() as scratch:
         for seed in args.seeds:
             start, warm = args.start, {}
             if args.warm:
                 start, warm = warm_start(args.warm, args.config, extra, seed, Path(args.warm_dir or scratch))
             for line in length_curve(configs, start, seed, args.lengths, args.pairs, args.samples, extra):
-                route = Path(args.warm).stem if args.warm else None
                 harness.emit({"benchmark": "length_curve", "route": route, "start": start, "seed": seed, **line,
                               "samples": args.samples, "warm_start": warm} | context, args.out)  # fmt: skip
 

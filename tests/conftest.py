@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -73,6 +74,13 @@ def make_module():
         return InterleaveGRPO(**kwargs)
 
     return make
+
+
+@pytest.fixture
+def stock_positions(monkeypatch):
+    """`make_module` builds the stock Llama (rotary positions 0, 1, 2, ...) instead of the coupled one: for tests of
+    free text, or against HF `generate` (coupled positions have their tests in tests/model/model/test_positions.py)."""
+    monkeypatch.setattr(sys.modules[__name__], "TINY_POSITIONS", "rope")
 
 
 @pytest.fixture

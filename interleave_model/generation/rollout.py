@@ -102,7 +102,9 @@ def sample(
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
         shared = _attention_implementation(model) == GROUPED_DECODE
-        cache, grouped, logits = prefill(model, prompt_ids, prompt_mask, prompt_length + max_new_tokens, G, shared)
+        cache, grouped, logits = prefill(
+            model, prompt_ids, prompt_mask, positions, prompt_length + max_new_tokens, G, shared
+        )
         n = logits.shape[0]
         # one mask for the whole rollout, each step passes a longer view of it (no per-step concatenation)
         attention = prompt_mask.new_ones(n, prompt_length + max_new_tokens)  # [P*G, Lp+max_new_tokens]
@@ -158,9 +160,16 @@ def sample(
 
 
 def prefill(
-    model: torch.nn.Module, prompt_ids: Tensor, prompt_mask: Tensor, capacity: int, group: int, shared: bool = False
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    positions: Tensor,
+    capacity: int,
+    group: int,
+    shared: bool = False,
 ):
-    """The prompts' forward into a rollout cache of `capacity` positions for `group` rows each (`rollout_cache`).
+    """The prompts' forward at `positions` (the caller's `model_positions`, [P, Lp]) into a rollout cache of `capacity`
+    positions for `group` rows each (`rollout_cache`).
 
     Returns:
         `(cache, grouped, logits)`: the cache, whether its layers hold the whole group, and the next-token logits of
@@ -171,7 +180,7 @@ def prefill(
     out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,
-        position_ids=model_positions(model, prompt_ids, prompt_mask),
+        position_ids=positions,
         past_key_values=cache,
         use_cache=True,
         # the last position by index, not `logits_to_keep=1`: its slice of the hidden states is not contiguous,

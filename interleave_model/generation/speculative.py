@@ -168,7 +168,7 @@ def speculative_sample(
         positions = model_positions(model, prompt_ids, prompt_mask)  # [P, Lp]
         # room for the answers twice over: rejected entries stay until `_fit` squeezes them out
         capacity = prompt_ids.shape[1] + 2 * max_new_tokens + 2 * (k + 1)
-        cache, _, logits = prefill(model, prompt_ids, prompt_mask, capacity, G)
+        cache, _, logits = prefill(model, prompt_ids, prompt_mask, positions, capacity, G)
         n = prompt_ids.shape[0] * G
         stops = torch.as_tensor(list(stop_ids), device=device)
         uniform = None if temperature == 0 else _uniform(n, generator, device)

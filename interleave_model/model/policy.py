@@ -118,8 +118,10 @@ def build_tiny_model(tokenizer: PreTrainedTokenizerFast, config: TinyModelConfig
         nope = SmolLM3Config(**shape, no_rope_layers=[0] * config.num_layers, use_sliding_window=False)
         model_class, model_config = SmolLM3ForCausalLM, nope
     else:
-        markers = tokenizer.convert_tokens_to_ids(COUPLING_MARKERS)
-        coupling = {"position_coupling": COUPLED, "coupling_markers": markers} if config.positions == "coupled" else {}
+        coupling = {}
+        if config.positions == "coupled":
+            markers = tokenizer.convert_tokens_to_ids(list(COUPLING_MARKERS))
+            coupling = {"position_coupling": COUPLED, "coupling_markers": markers}
         model_class, model_config = LlamaForCausalLM, LlamaConfig(**shape, **coupling)
     with _seeded(seed):
         model = model_class(model_config)

@@ -36,9 +36,10 @@ def position_ids(attention_mask: Tensor) -> Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
-def is_coupled(model: torch.nn.Module) -> bool:
-    """Whether `model` (a peft wrapper, a decoder or a merged copy alike) declares coupled positions."""
-    return getattr(getattr(model, "config", None), "position_coupling", None) == COUPLED
+def is_coupled(model_or_config) -> bool:
+    """Whether a model (a peft wrapper, a decoder or a merged copy alike) or its config declares coupled positions."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return getattr(config, "position_coupling", None) == COUPLED
 
 
 def model_positions(
@@ -105,8 +106,7 @@ def _check_markers(prompt_ids: Tensor, prompt_mask: Tensor, q: Tensor, n: Tensor
 
 def refuse_coupled(model_or_config, runtime: str) -> None:
     """Refuse, in one line, to run a coupled model where positions cannot be passed (vLLM, `generate`, lm-eval)."""
-    config = getattr(model_or_config, "config", model_or_config)
-    if getattr(config, "position_coupling", None) == COUPLED:
+    if is_coupled(model_or_config):
         raise CoupledPositionsError(
             f"{runtime} numbers tokens 0, 1, 2, ... and cannot run a model trained on coupled positions "
             "(config.position_coupling); run it with the own sampler: cli.py test / validate, model.rollout_engine: own"

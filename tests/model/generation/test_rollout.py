@@ -21,12 +21,8 @@ from interleave_model.generation.rollout import (
 )
 from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
 
-
-@pytest.fixture(autouse=True)
-def stock_positions(monkeypatch):
-    # the sampler on free prompts, checked against HF `generate`, which numbers tokens 0, 1, 2, ...: the
-    # stock Llama (coupled positions through the sampler: tests/model/model/test_positions.py)
-    monkeypatch.setattr("tests.conftest.TINY_POSITIONS", "rope")
+# the sampler on free prompts, checked against HF `generate`, which numbers tokens 0, 1, 2, ...: the stock Llama
+pytestmark = pytest.mark.usefixtures("stock_positions")
 
 
 @pytest.fixture

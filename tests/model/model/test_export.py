@@ -16,11 +16,8 @@ from interleave_model.model.policy import LoraSettings, PolicyError
 TEXTS = ["A: the first\nB: a second\nInterleave: the a first second", "A: one\nB: two\nInterleave: one two"]
 
 
-@pytest.fixture(autouse=True)
-def stock_positions(monkeypatch):
-    # these texts are whole sequences scored from their first token, which numbers tokens 0, 1, 2, ...: the stock Llama
-    # (a coupled folder's round trip: tests/model/model/test_positions.py)
-    monkeypatch.setattr("tests.conftest.TINY_POSITIONS", "rope")
+# TEXTS are whole sequences scored from their first token, numbered 0, 1, 2, ...: the stock Llama
+pytestmark = pytest.mark.usefixtures("stock_positions")
 
 
 def _logprobs(model, tokenizer) -> torch.Tensor:
