@@ -160,9 +160,20 @@ def step_time(model: Shape, answer_tokens: int, rows: int) -> StepTime:
     return StepTime(float(answer_tokens * decode_s * scale), float(rest_s * scale))
 
 
-def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
-    """`check --rehearse`'s estimate lines, one per stage from its measured (prompt, answer budget) tokens: the memory
-    on the GPU given, then the step's time on the measured one (`step_time`)."""
+class StageEstimate(NamedTuple):
+    """One stage's estimates: its tokens, the step's memory on the GPU given and its time on the measured one."""
+
+    words: int
+    prompt_tokens: int
+    answer_tokens: int
+    memory: StepMemory
+    engine_share: float | None  # vLLM's share of the GPU in GiB; None for the own sampler
+    time: StepTime
+    rows: int  # the answers of a step
+
+
+def estimate_stages(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float) -> list[StageEstimate]:
+    """Each stage's estimates, from its measured (prompt, answer budget) tokens and the run's config as a dict."""
     base, lora, data = config["model"]["base"], config["model"].get("lora"), config["data"]
     targets = lora.get("target_modules", ALL_LINEAR) if lora else None
     model = shape(model_config, targets, lora.get("r", 0) if lora else 0)
@@ -173,12 +184,30 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
     answers = data["batch_size"] * generations  # the rows of a step
     rows = config["model"]["optimization"].get("micro_batch_size")  # None: all rows; auto: all at most
     rows = answers if rows in (None, "auto") else rows
+    weight_bytes = DTYPE_BYTES.get(base.get("dtype"), 4)
+    return [
+        StageEstimate(
+            n,
+            prompt,
+            answer,
+            step_memory(model, prompt, answer, data["batch_size"], generations, rows, weight_bytes, share),
+            share,
+            step_time(model, answer, answers),
+            answers,
+        )  # fmt: skip
+        for n, (prompt, answer) in stages.items()
+    ]
+
+
+def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_config, gib: float, gpu: str) -> list[str]:
+    """`check --rehearse`'s estimate lines, one per stage from its measured (prompt, answer budget) tokens: the memory
+    on the GPU given, then the step's time on the measured one (`step_time`)."""
+    estimates = estimate_stages(config, stages, model_config, gib)
     lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
-    for n, (prompt, answer) in stages.items():
-        m = step_memory(model, prompt, answer, data["batch_size"], generations, rows,
-                        DTYPE_BYTES.get(base.get("dtype"), 4), share)  # fmt: skip
-        line = (f"  {n} words: trainer {m.trainer_peak:.1f} GiB (weights {m.weights:.1f}, adapter {m.adapter:.2f}, "
-                f"update {m.update:.1f}")  # fmt: skip
+    for e in estimates:
+        m, share = e.memory, e.engine_share
+        line = (f"  {e.words} words: trainer {m.trainer_peak:.1f} GiB (weights {m.weights:.1f}, adapter "
+                f"{m.adapter:.2f}, update {m.update:.1f}")  # fmt: skip
         if share is None:
             line += f", rollout KV {m.rollout_kv:.1f})"
         else:
@@ -188,9 +217,10 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
             total = m.trainer_peak + share
             line += f"; total {total:.1f} of {gib:.1f} GiB" + (" (more than the GPU)" if total > gib else "")
         lines.append(line)
+    rows = estimates[0].rows if estimates else 0
     lines.append(f"estimate (not measured; from steps measured on one H200, docs/SCALING.md) of a step's time, the own "
-                 f"sampler, {answers} answers each running to its budget:")  # fmt: skip
-    for n, (_, answer) in stages.items():
-        t = step_time(model, answer, answers)
-        lines.append(f"  {n} words: {t.step:.0f} s (rollout {t.rollout:.0f} s, update {t.rest:.0f} s)")
+                 f"sampler, {rows} answers each running to its budget:")  # fmt: skip
+    for e in estimates:
+        t = e.time
+        lines.append(f"  {e.words} words: {t.step:.0f} s (rollout {t.rollout:.0f} s, update {t.rest:.0f} s)")
     return lines
