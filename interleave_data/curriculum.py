@@ -7,6 +7,7 @@ batch's counts (`StepCounts`, already summed over ranks) and returns a `Decision
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from typing import Literal, get_args
@@ -15,6 +16,7 @@ from interleave_data.corpus import CorpusError
 from interleave_data.length_schedule import AdaptiveLength, next_level, replay_range, words_of
 from interleave_data.pairs import check_length
 
+PER_STAGE = ("threshold", "patience", "min_steps", "val_threshold", "max_stage_steps")  # one value or one per stage
 OnCollapse = Literal["raise_temperature", "step_back", "stop"]
 DecisionKind = Literal[
     "none", "advance", "milestone", "step_back", "raise_temperature", "done", "stop", "warm_start_end"
@@ -45,6 +47,14 @@ class CurriculumSettings:
     batches in a row, the curriculum responds with `on_collapse`. After `max_collapse_responses` responses at one
     stage length, or when no response is left (at the temperature cap, or at the first stage), it stops training.
 
+    A stage that levels off stops training too: with `plateau_steps` set, when the rolling mean reward has not risen
+    more than `plateau_gain` above its best at the stage for that many GRPO batches (only full windows count, so the
+    noisy means of a stage's first batches set no best); under the adaptive schedule a longer training length than
+    any reached towards the milestone counts as a gain as well, since the rule holds the reward near its target while
+    the length climbs. With `max_stage_steps` set, a stage (adaptive: the climb to a milestone) stops training after
+    that many GRPO batches. Every stop says why, and what to change; under fixed stages first the settings to add to
+    the run's command that resume from the last learned stage with a length halfway to the stopped one inserted.
+
     Attributes:
         threshold: Rolling mean reward a stage needs; one value for all stages or one per stage.
         patience: Consecutive batches at or above the threshold; one value or one per stage.
@@ -64,6 +74,10 @@ class CurriculumSettings:
             None = run all of `data.sft_steps`.
         adaptive: The training length as a difficulty that follows the model (`AdaptiveLength`); None = fixed
             stages.
+        plateau_steps: GRPO batches at a stage without a gain before training stops; None = no plateau rule.
+        plateau_gain: The rise of the rolling mean reward over its best at the stage that counts as a gain, in [0, 1].
+        max_stage_steps: GRPO batches a stage may take before training stops; one value or one per stage; None = no
+            cap.
     """
 
     threshold: float | list[float] = 0.9
@@ -80,6 +94,9 @@ class CurriculumSettings:
     stop_when_done: bool = False
     warm_start_until: float | None = None
     adaptive: AdaptiveLength | None = None
+    plateau_steps: int | None = None
+    plateau_gain: float = 0.01
+    max_stage_steps: int | list[int | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +170,11 @@ class CurriculumState:
         level: The adaptive schedule's continuous length (None under fixed stages); batches are drawn at
             `words_of(level)`, and `stage_index` is the milestone it works towards.
         drawn_words: The length training batches are drawn at under the adaptive schedule (None: the stage's).
+        best: The best rolling mean reward at this stage, over full windows (None until the window is full); under
+            the adaptive schedule, at `best_words`.
+        best_words: The training length `best` was reached at: the stage's, or under the adaptive schedule the
+            longest reached towards the milestone; 0 while `best` is None.
+        since_best: Full-window batches since the last gain (`plateau_gain` over `best`, or a longer length).
     """
 
     stage_index: int = 0
@@ -170,6 +192,9 @@ class CurriculumState:
     warm_end: int | None = None
     level: float | None = None
     drawn_words: int | None = None
+    best: float | None = None
+    best_words: int = 0
+    since_best: int = 0
 
 
 class Curriculum:
@@ -210,6 +235,14 @@ class Curriculum:
         if s.warm_start_until is not None and not 0.0 < s.warm_start_until <= 1.0:
             raise CorpusError(f"curriculum.warm_start_until must be in (0, 1], got {s.warm_start_until}")
         self.val_thresholds = _per_stage(s.val_threshold, "val_threshold", self.stages)
+        self.max_stage_steps = _per_stage(s.max_stage_steps, "max_stage_steps", self.stages)
+        if min((c for c in (s.plateau_steps, *self.max_stage_steps) if c is not None), default=1) < 1:
+            raise CorpusError(
+                f"curriculum: need plateau_steps and max_stage_steps >= 1 or null, got {s.plateau_steps}, "
+                f"{s.max_stage_steps}"
+            )
+        if not 0.0 <= s.plateau_gain <= 1.0:
+            raise CorpusError(f"curriculum.plateau_gain must be in [0, 1], got {s.plateau_gain}")
         self.adaptive = s.adaptive
         self.sft_steps = sft_steps
         self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
@@ -332,19 +365,26 @@ class Curriculum:
         state.recent = (state.recent + [counts.reward])[-s.window :]
         state.above = state.above + 1 if self.rolling >= self.threshold else 0
         state.collapsed = state.collapsed + 1 if counts.stuck_share >= s.collapse_share else 0
+        self._track_gain()
         if state.collapsed >= s.collapse_patience:
             return self._respond_to_collapse(counts)
-        index = state.stage_index
-        if self.adaptive is not None:
-            low, high = self.stages[0], self.stages[index]
-            rate = counts.success_rate if self.adaptive.signal == "success" else counts.reward
-            level = next_level(state.level, rate, self.adaptive, low, high)
-            return self._set_level(counts, level) or Decision("none", self.rolling, index)
+        moved = self._adapt(counts) if self.adaptive is not None else self._learned(counts)
+        return moved or self._stalled(counts) or Decision("none", self.rolling, state.stage_index)
+
+    def _adapt(self, counts: StepCounts) -> Decision | None:
+        """The adaptive length after this batch; the milestone's decision when the length passes it."""
+        low, high = self.stages[0], self.stage_words
+        rate = counts.success_rate if self.adaptive.signal == "success" else counts.reward
+        return self._set_level(counts, next_level(self.state.level, rate, self.adaptive, low, high))
+
+    def _learned(self, counts: StepCounts) -> Decision | None:
+        """Under fixed stages, the move to the next stage (or the end at the last) once this one is learned."""
+        s, state, index = self.settings, self.state, self.state.stage_index
         learned = state.steps >= self.min_steps[index] and state.above >= self.patience[index]
         if self.val_thresholds[index] is not None:
             learned = learned and state.val_score is not None and state.val_score >= self.val_thresholds[index]
         if not learned:
-            return Decision("none", self.rolling, index)
+            return None
         n = self.stage_words
         if index + 1 == len(self.stages):
             state.done = True
@@ -354,6 +394,36 @@ class Curriculum:
             return Decision("done", self.rolling, index, message=message, export_words=n, stop=s.stop_when_done)
         why = f"reward {self.rolling:.3f} >= {self.threshold}"
         return self._move(counts, index + 1, "advance", why, export_words=n)
+
+    def _track_gain(self) -> None:
+        """Counts the batches since the last gain: the rolling mean reward more than `plateau_gain` above its best at
+        the stage, or, under the adaptive schedule, a longer length than any reached towards the milestone (the rule
+        holds the reward near its target while the length climbs). Only full windows count."""
+        s, state, words, rolling = self.settings, self.state, self.length, self.rolling
+        if len(state.recent) < s.window:
+            return
+        if words > state.best_words or (words == state.best_words and rolling > state.best + s.plateau_gain):
+            state.best, state.best_words, state.since_best = rolling, words, 0
+        else:
+            state.since_best += 1
+
+    def _stalled(self, counts: StepCounts) -> Decision | None:
+        """The stop of a stage that has not gained for `plateau_steps` batches or has run its `max_stage_steps`."""
+        s, state, n = self.settings, self.state, self.stage_words
+        now = f"now {self.rolling:.3f}" + ("" if state.best is None else f", best {state.best:.3f}")
+        if s.plateau_steps is not None and state.since_best >= s.plateau_steps:
+            what = f"no gain over {s.plateau_gain} in the rolling reward at {state.best_words} words"
+            if self.adaptive is not None:
+                what += f" and no longer length towards the {n}-word milestone"
+            why = f"{what} for {state.since_best} batches, the plateau_steps ({now})"
+            return self._stop(counts, why)
+        cap = self.max_stage_steps[state.stage_index]
+        if cap is None or state.steps < cap:
+            return None
+        if state.best is not None:
+            now += f", last gain {state.since_best} batches ago"
+        why = f"{state.steps} batches at {n} words, the stage's max_stage_steps (rolling reward {now})"
+        return self._stop(counts, why, "a larger max_stage_steps if the reward was still rising")
 
     def _respond_to_collapse(self, counts: StepCounts) -> Decision:
         s, state = self.settings, self.state
@@ -365,12 +435,16 @@ class Curriculum:
             f">= {s.collapse_share:.0%} of the batch for {s.collapse_patience} batches (reward {self.rolling:.3f})"
         )
         if state.responses[n] > s.max_collapse_responses:
-            return self._stop(counts, what, f"{s.max_collapse_responses} responses at this length did not help")
+            why = f"{what}, and {s.max_collapse_responses} responses at this length did not help"
+            return self._stop(counts, why)
         if s.on_collapse == "stop":
-            return self._stop(counts, what, "on_collapse is 'stop'")
+            responses = "raise_temperature or step_back" if temperature < s.max_temperature else "step_back"
+            respond = f"a response to a collapse instead of the stop (on_collapse: {responses})"
+            return self._stop(counts, f"{what}, and on_collapse is 'stop'", respond)
         if s.on_collapse == "raise_temperature":
             if temperature >= s.max_temperature:
-                return self._stop(counts, what, f"the temperature is already at max_temperature={s.max_temperature}")
+                why = f"{what}, and the temperature is already at max_temperature={s.max_temperature}"
+                return self._stop(counts, why)
             raised = min(temperature + s.temperature_step, s.max_temperature)
             why = f"{what}; temperature {temperature} -> {raised}"
             message = self._note(counts.batch, counts.global_step, "raise_temperature", n, n, why)
@@ -378,12 +452,12 @@ class Curriculum:
         if self.adaptive is not None:
             shorter = [m for m in self.stages if m < self.length]
             if not shorter:
-                return self._stop(counts, what, "the length is already at the first milestone")
+                return self._stop(counts, f"{what}, and the length is already at the first milestone")
             message = self._note(counts.batch, counts.global_step, "step_back", self.length, shorter[-1], what)
             self._set_level(counts, float(shorter[-1]))
             return Decision("step_back", self.rolling, state.stage_index, message=message)
         if state.stage_index == 0:
-            return self._stop(counts, what, "there is no earlier stage to step back to")
+            return self._stop(counts, f"{what}, and there is no earlier stage to step back to")
         return self._move(counts, state.stage_index - 1, "step_back", what)
 
     def _set_level(self, counts: StepCounts, level: float) -> Decision | None:
@@ -408,6 +482,7 @@ class Curriculum:
             return Decision("done", rolling, state.stage_index, message=message, export_words=n,
                             stop=self.settings.stop_when_done)  # fmt: skip
         state.stage_index += 1
+        state.steps, state.best, state.best_words, state.since_best = 0, None, 0, 0  # counted towards each milestone
         message = self._note(batch, global_step, "milestone", n, self.stage_words, f"{n} words passed ({why})")
         return Decision("milestone", rolling, state.stage_index, message=message, export_words=n)
 
@@ -419,17 +494,39 @@ class Curriculum:
         self.move(index, from_batch=counts.next_batch)
         return Decision(kind, rolling, index, message=message, export_words=export_words)
 
-    def _stop(self, counts: StepCounts, what: str, why: str) -> Decision:
+    def _stop(self, counts: StepCounts, why: str, *others: str) -> Decision:
+        """Ends training with one line: why, then what to change: a smaller step between lengths (fixed stages: the
+        adaptive length already moves in small steps), `others`, or a supervised warm-start at the length."""
         n = self.stage_words
-        learned = [h["from_words"] for h in self.state.history if h["kind"] == "advance"]
-        start = f"--model.base.init_from {self.exports}/{learned[-1]}words" if learned and self.exports else "it"
-        message = (
-            f"curriculum: stopping, {what}, and {why}. Continue from the last learned stage ({start}) with a "
-            "smaller step between stage lengths, a supervised warm-start at this length, or a higher temperature."
-        )
+        smaller = self._smaller_step() if self.adaptive is None else ""
+        warm_start = f"a supervised warm-start at {self.length} words (data.sft_stages, data.sft_steps)"
+        options = [option for option in (smaller, *others, warm_start) if option]
+        message = f"curriculum: stopping, {why}. What to change: {'; or '.join(options)}."
         self.state.stopped = message
         message = self._note(counts.batch, counts.global_step, "stop", n, n, message)
         return Decision("stop", self.rolling, self.state.stage_index, message=message, stop=True)
+
+    def _smaller_step(self) -> str:
+        """The settings to add to the run's command to resume from the last learned stage (at the first stage: to
+        rerun) with a length halfway to the stage being trained inserted before it; empty when no whole length lies
+        between. Each per-stage list is written out for the new stages, the inserted one taking the values of the
+        stage it splits, so the command runs as it is."""
+        index = self.state.stage_index
+        stages = split_stage(self.stages, index)
+        if stages is None:
+            return ""
+        args = []
+        if index:
+            learned = self.stages[index - 1]
+            weights = f"{self.exports}/{learned}words" if self.exports else f"<the {learned}-word stage's weights>"
+            args += [f"--model.base.init_from {weights}", "--data.sft_steps 0"]
+        args.append(f"--data.stages '{json.dumps(stages)}'")
+        lists = {name: getattr(self.settings, name) for name in PER_STAGE}
+        lists = {name: [v[index], *v[index:]] for name, v in lists.items() if isinstance(v, list | tuple)}
+        args += [f"--data.curriculum.{name} '{json.dumps(values)}'" for name, values in lists.items()]
+        note = " (the per-stage lists rewritten for these stages; one value applies to every stage)" if lists else ""
+        how = "resume from the last learned stage" if index else "rerun"
+        return f"{how} with a smaller step between lengths: add `{' '.join(args)}` to this run's fit command{note}"
 
     def _note(self, batch: int, global_step: int, kind: str, old: int, new: int, why: str, **extra) -> str:
         """Append a transition after batch `batch` to the history; returns its one-line message."""
@@ -494,6 +591,14 @@ def check_lengths(lengths: Sequence[int], name: str) -> list[int]:
     if any(b <= a for a, b in zip(lengths, lengths[1:], strict=False)):
         raise CorpusError(f"{name} must be strictly increasing, got {' '.join(map(str, lengths))}")
     return lengths
+
+
+def split_stage(stages: Sequence[int], index: int) -> list[int] | None:
+    """The stages from `index` on, with the length halfway between stage `index` and the one before it (0 before the
+    first) inserted before it; None when no whole length lies between."""
+    below = stages[index - 1] if index else 0
+    between = (below + stages[index]) // 2
+    return [between, *stages[index:]] if between > below else None
 
 
 def _per_stage(value, name: str, lengths: list[int]) -> list:

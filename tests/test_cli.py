@@ -242,6 +242,26 @@ def test_dynamic_sampling_runs_from_the_command_line(tmp_path):
     assert "train/dynamic_rounds" in cli.trainer.logged_metrics
 
 
+def test_a_stage_that_levels_off_stops_the_fit_with_what_to_change(tmp_path, capsys, caplog):
+    """`data.curriculum.plateau_steps` on the tiny model: 4 words is not learned in a few batches (min_steps 50), and
+    no rolling reward rises more than plateau_gain 1.0 over its best, so the fit stops 3 GRPO batches after the first,
+    long before max_steps, and says how to resume with a shorter length inserted."""
+    with caplog.at_level("INFO"):
+        cli = main(["fit", "--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path}",
+                    "--trainer.logger=false", "--trainer.max_steps=20", "--trainer.limit_val_batches=0",
+                    "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback",
+                    "--data.curriculum.window=1", "--data.curriculum.plateau_steps=3",
+                    "--data.curriculum.plateau_gain=1.0"])  # fmt: skip
+
+    stopped = cli.datamodule.curriculum.state.stopped
+    assert cli.trainer.global_step == 2 + 4  # the warm-start's 2 steps, the GRPO batch that set the best, 3 more
+    assert stopped.startswith("curriculum: stopping, no gain over 1.0 in the rolling reward at 4 words for 3 batches")
+    assert "add `--data.stages '[2, 4, 8]'` to this run's fit command" in stopped
+    assert f"warning: {stopped}" in capsys.readouterr().err.splitlines()  # one line on the console
+    assert f"curriculum stop: 4 -> 4 words at step 6 ({stopped})" in caplog.text
+    assert not (tmp_path / "stages").exists()  # a stage that stopped is not exported as learned
+
+
 def test_the_installed_console_command_is_the_cli():
     script = shutil.which("interleave-grpo")
     assert script, "`pip install -e .` installs the interleave-grpo command (setup.cfg, console_scripts)"

@@ -105,7 +105,7 @@ def _check_args(folder: Path, cache: Path, config: str = "llama-3.2-3b.yaml") ->
     fixture's 2,048 positions hold with its small vocabulary's ~3.5 tokens a word (500 words need 7,454)."""
     return ["check", "--config", str(ROOT / "configs" / config), f"--model.base.name_or_path={folder}",
             "--model.vllm.kv_cache_memory_bytes=33554432", "--data.stages=[10, 25]", "--data.curriculum.threshold=0.9",
-            "--data.eval_stages=[10]",
+            "--data.curriculum.max_stage_steps=null", "--data.eval_stages=[10]",
             "--data.train_pairs=4",
             "--data.val_pairs=2", f"--data.cache_dir={cache}"]  # fmt: skip
 

@@ -7,7 +7,15 @@ at k + 2 (Lightning has fetched k + 1 already).
 import pytest
 
 from interleave_data.corpus import CorpusError
-from interleave_data.curriculum import Curriculum, CurriculumSettings, Decision, StepCounts, check_lengths
+from interleave_data.curriculum import (
+    Curriculum,
+    CurriculumSettings,
+    Decision,
+    StepCounts,
+    check_lengths,
+    split_stage,
+)
+from interleave_data.length_schedule import AdaptiveLength
 
 
 def _curriculum(stages=(4, 8, 16), **settings) -> Curriculum:
@@ -98,7 +106,8 @@ def test_raise_temperature_up_to_the_cap_then_stop():
 
     # 1.0 -> 1.3 -> 1.5 (capped); at the cap no raise is left
     assert kinds[1::2] == [("raise_temperature", 1.3), ("raise_temperature", 1.5), ("stop", None)]
-    assert "max_temperature=1.5" in curriculum.state.stopped
+    why, advice = curriculum.state.stopped.split(" What to change: ")
+    assert "max_temperature=1.5" in why and "temperature" not in advice  # the cap's stop asks for no hotter sampling
 
 
 def test_collapse_responses_are_capped_per_length():
@@ -132,6 +141,106 @@ def test_stop_response_names_the_last_learned_stage_when_exports_exist():
 
     assert stop.kind == "stop" and "on_collapse is 'stop'" in stop.message
     assert "--model.base.init_from run/stages/4words" in curriculum.state.stopped
+    assert "; or a response to a collapse instead of the stop (on_collapse: raise_temperature or step_back);" in (
+        curriculum.state.stopped
+    )
+    hot = _curriculum(collapse_patience=1, on_collapse="stop", max_temperature=1.0)
+    _feed(hot, [0.0], stuck=1.0, temperature=1.0)
+    assert "(on_collapse: step_back);" in hot.state.stopped  # no raise left at the temperature cap
+
+
+def test_a_plateau_stops_after_plateau_steps_batches_without_a_gain_over_full_windows():
+    curriculum = _curriculum(window=2, plateau_steps=3)
+
+    # batch 0 fills half the window: its 1.0 sets no best; batch 1's 0.75 does, and 3 batches without a gain follow
+    decisions = _feed(curriculum, [1.0, 0.5, 0.5, 0.5, 0.5])
+
+    assert [d.kind for d in decisions] == ["none"] * 4 + ["stop"] and decisions[-1].stop
+    assert curriculum.state.stopped == (
+        "curriculum: stopping, no gain over 0.01 in the rolling reward at 4 words for 3 batches, the plateau_steps "
+        "(now 0.500, best 0.750). What to change: rerun with a smaller step between lengths: add "
+        "`--data.stages '[2, 4, 8, 16]'` to this run's fit command; or a supervised warm-start at 4 words "
+        "(data.sft_stages, data.sft_steps)."
+    )
+    assert decisions[-1].message == f"stop: 4 -> 4 words at step 5 ({curriculum.state.stopped})"
+
+
+def test_only_a_gain_over_plateau_gain_restarts_the_plateau_count():
+    curriculum = _curriculum(plateau_steps=3, plateau_gain=0.01)
+
+    # 0.505 is no gain over 0.5 + 0.01; 0.52 is, and 3 more batches without one stop the run
+    decisions = _feed(curriculum, [0.5, 0.5, 0.505, 0.52, 0.5, 0.5, 0.5])
+
+    assert [d.kind for d in decisions] == ["none"] * 6 + ["stop"]
+    assert (curriculum.state.best, curriculum.state.since_best) == (0.52, 3)
+
+
+def test_max_stage_steps_stops_a_stage_and_each_stage_counts_its_own_batches():
+    curriculum = _curriculum(threshold=0.5, patience=1, min_steps=0, max_stage_steps=[3, 5, None])
+
+    assert _feed(curriculum, [0.4, 0.9])[-1].kind == "advance"  # 2 batches at 4 words, under its cap of 3
+    decisions = _feed(curriculum, [0.4, 0.45, 0.3, 0.3, 0.3], first=2)
+
+    assert [d.kind for d in decisions] == ["none"] * 4 + ["stop"]
+    why, advice = curriculum.state.stopped.split(" What to change: ")
+    assert why.endswith("5 batches at 8 words, the stage's max_stage_steps (rolling reward now 0.300, best 0.450, "
+                        "last gain 3 batches ago).")  # fmt: skip
+    assert advice.startswith(
+        "resume from the last learned stage with a smaller step between lengths: add `--model.base.init_from "
+        "<the 4-word stage's weights> --data.sft_steps 0 --data.stages '[6, 8, 16]' "
+        "--data.curriculum.max_stage_steps '[5, 5, null]'` to this run's fit command (the per-stage lists rewritten"
+    )
+    assert "; or a larger max_stage_steps if the reward was still rising; or a supervised warm-start" in advice
+
+
+def test_the_stop_names_a_command_that_resumes_with_a_length_between_the_learned_stage_and_this_one():
+    thresholds = [0.9, 0.9, 0.85, 0.8]
+    settings = {"threshold": thresholds, "patience": 1, "min_steps": 0, "plateau_steps": 2}
+    curriculum = _curriculum((10, 25, 50, 100), **settings)
+    curriculum.exports = "run/stages"
+
+    _feed(curriculum, [0.95, 0.95, 0.5, 0.5, 0.5])  # 10 and 25 words learned, then no gain at 50
+
+    command = "--model.base.init_from run/stages/25words --data.sft_steps 0 --data.stages '[37, 50, 100]' " \
+              "--data.curriculum.threshold '[0.85, 0.85, 0.8]'"  # fmt: skip
+    assert f"add `{command}` to this run's fit command" in curriculum.state.stopped
+    assert "\n" not in curriculum.state.stopped
+    # the command's lists fit together: a curriculum takes them as they are
+    resumed = Curriculum([37, 50, 100], settings=CurriculumSettings(threshold=[0.85, 0.85, 0.8]))
+    assert resumed.thresholds == [0.85, 0.85, 0.8]
+
+
+@pytest.mark.parametrize(
+    ("stages", "index", "split"),
+    [([10, 25, 50], 1, [17, 25, 50]), ([10, 25, 50], 0, [5, 10, 25, 50]), ([4, 5], 1, None), ([1, 2], 0, None)],
+)
+def test_split_stage_inserts_the_whole_length_halfway_to_the_stage_before(stages, index, split):
+    assert split_stage(stages, index) == split
+
+
+def test_under_the_adaptive_schedule_a_longer_length_is_a_gain_and_each_milestone_counts_afresh():
+    rule = AdaptiveLength(success=0.9, target=0.5, step=0.05, sensitivity=2.0)
+    settings = CurriculumSettings(window=1, adaptive=rule, plateau_steps=2)
+    curriculum = Curriculum((10, 25, 50), settings=settings)
+
+    def feed(rates):
+        return [curriculum.observe(StepCounts(r, 0.0, 0.0, 1.0, 1.0, k, k + 2, k + 1, success_rate=r)) for k, r in
+                enumerate(rates)]  # fmt: skip
+
+    # every sample succeeds: the length climbs ~4% a batch, so no two batches in a row stay at one length; 10 words
+    # passes at once (the length starts there), 25 words on the way
+    kinds = [d.kind for d in feed([1.0] * 30)]
+    assert "stop" not in kinds and kinds.count("milestone") == 2 and curriculum.stage_words == 50
+    assert curriculum.state.steps == 30 - 1 - kinds.index("milestone", 1)  # counted from the last milestone on
+    # at the target the length holds, and the reward does not rise: two batches, then the stop
+    assert [d.kind for d in feed([0.5] * 3)] == ["none", "none", "stop"]
+    length = curriculum.length
+    assert f"at {length} words and no longer length towards the 50-word milestone for 2 batches" in (
+        curriculum.state.stopped
+    )
+    # the adaptive length moves in small steps already: no command inserts a milestone, which would start it higher
+    assert curriculum.state.stopped.endswith(f"What to change: a supervised warm-start at {length} words "
+                                             "(data.sft_stages, data.sft_steps).")  # fmt: skip
 
 
 def test_state_round_trip_mid_stage_gives_the_same_later_decisions():
@@ -146,6 +255,24 @@ def test_state_round_trip_mid_stage_gives_the_same_later_decisions():
     assert _feed(restored, later, temperature=1.25, first=4) == _feed(straight, later, temperature=1.25, first=4)
     assert restored.state == straight.state  # the first 0.9 is the third above the threshold: an advance at once
     assert [h["kind"] for h in restored.state.history] == ["raise_temperature", "advance", "advance"]
+
+
+def test_the_plateau_count_round_trips_and_a_state_saved_before_it_loads():
+    straight = _curriculum(plateau_steps=4)
+    _feed(straight, [0.5, 0.6, 0.6])
+    saved = straight.state_dict()
+    assert (saved["best"], saved["best_words"], saved["since_best"]) == (0.6, 4, 1)
+
+    restored = _curriculum(plateau_steps=4)
+    restored.load_state_dict(saved)
+    assert _feed(restored, [0.6] * 3, first=3) == _feed(straight, [0.6] * 3, first=3)
+    assert restored.state == straight.state and restored.state.stopped is not None
+
+    old = {k: v for k, v in saved.items() if k not in ("best", "best_words", "since_best")}  # written before them
+    before = _curriculum(plateau_steps=4)
+    before.load_state_dict(old)
+    assert (before.state.best, before.state.since_best) == (None, 0)
+    assert [d.kind for d in _feed(before, [0.6] * 5, first=3)] == ["none"] * 4 + ["stop"]  # counts from its next batch
 
 
 def test_pending_moves_apply_at_their_batch():
@@ -206,6 +333,12 @@ def test_bad_lengths_are_named(lengths, message):
         {"on_collapse": "panic"},
         {"warm_start_until": 0.0},
         {"warm_start_until": 1.5},
+        {"plateau_steps": 0},
+        {"plateau_gain": -0.1},
+        {"plateau_gain": 1.5},
+        {"max_stage_steps": 0},
+        {"max_stage_steps": [5, 0]},
+        {"max_stage_steps": [5]},
     ],
 )
 def test_bad_settings_are_refused(settings):
