@@ -147,8 +147,8 @@ def test_the_3b_curriculum_rehearses_its_stages_on_the_engine_a_resume_and_an_ex
     monkeypatch.setattr(machine, "cpu_has_bf16", lambda: False)
     monkeypatch.chdir(tmp_path)
     code = run(["check", "--config", CURRICULUM_3B, f"--model.base.name_or_path={llama32}", "--rehearse",
-                "--data.stages=[10, 25]", "--data.curriculum.threshold=0.9",
-                "--model.vllm.kv_cache_memory_bytes=33554432", "--data.train_pairs=4", "--data.val_pairs=2",
+                "--data.stages=[10, 25]", "--data.curriculum.threshold=0.9", "--data.curriculum.max_stage_steps=null",
+                "--data.train_pairs=4", "--data.val_pairs=2",
                 f"--data.cache_dir={tmp_path}"])  # fmt: skip
 
     out = capsys.readouterr().out

@@ -169,6 +169,14 @@ class Sampler:
         if self.copy is not None:
             self.copy.version = None
 
+    def close(self) -> None:
+        """Shut the vLLM engine down, its KV cache freed: the next rollout builds a fresh one. An engine left standing
+        keeps its share of the memory, and a second fit in this process (the rehearsal's resume) would build another
+        beside it."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def _vllm_engine(self, version: int, rank: int) -> VllmEngine:
         """The colocated engine, built at the first rollout, serving the policy's weights of this version."""
         if self.engine is None:

@@ -135,10 +135,12 @@ def engine_settings(settings, platform, max_positions: int | None, memory: tuple
 
     Sleep mode is off where the platform has none (a CPU), which vLLM would refuse, and `max_model_len` is cut to the
     model's positions, which vLLM would refuse too. On a CPU, vLLM reads `gpu_memory_utilization` as a share of the
-    machine's memory and refuses to start when that share is more than is free (beside a trainer, or other runs):
-    the KV cache then takes half of what is free. CUDA graphs (`enforce_eager: false`) vLLM leaves out itself where
-    there is no CUDA: that is said, and the option stays, since it also keeps vLLM's torch.compile, which decodes
-    faster on a CPU too.
+    machine's memory and gives the KV cache that share less the resident memory of the whole process: in a training
+    process, which holds the trainer, its data and an earlier engine's leftovers, that is little or nothing, and vLLM
+    refuses to start. So on a CPU the KV cache is sized here: the share of the machine, or half of what is free when
+    the share is more than is free (beside other runs). CUDA graphs (`enforce_eager: false`) vLLM leaves out itself
+    where there is no CUDA: that is said, and the option stays, since it also keeps vLLM's torch.compile, which
+    decodes faster on a CPU too.
     """
     changes = {}
     if settings.enable_sleep_mode and not platform.is_sleep_mode_available():
@@ -154,8 +156,9 @@ def engine_settings(settings, platform, max_positions: int | None, memory: tuple
     if memory is not None and settings.kv_cache_memory_bytes is None:
         total, free = memory
         share = settings.gpu_memory_utilization
-        if math.ceil(total * share) > free:
-            changes["kv_cache_memory_bytes"] = free // 2
+        wanted = math.ceil(total * share)
+        changes["kv_cache_memory_bytes"] = wanted if wanted <= free else free // 2
+        if wanted > free:
             warn(f"model.vllm.gpu_memory_utilization: {share} of this machine's memory ({_gib(total * share)} GiB) "
                  f"is more than the {_gib(free)} GiB free, so the engine's KV cache takes {_gib(free // 2)} GiB; "
                  "set model.vllm.kv_cache_memory_bytes to choose")  # fmt: skip
