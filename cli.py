@@ -15,7 +15,7 @@ import torch
 import yaml
 from lightning import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
@@ -31,6 +31,7 @@ from interleave_model.preflight.estimates import estimate_lines, gpu_gib
 from interleave_model.preflight.rehearsal import rehearse
 from interleave_model.run.console import ConsoleSummary, StepProgressBar, configure_console
 from interleave_model.run.interrupt import StopOnSignal
+from interleave_model.run.out_of_memory import SaveOnOutOfMemory, out_of_memory_message
 from interleave_model.run.runs import RunError, config_filename, place_run, requeue_save_path
 from interleave_model.run.writers import EvaluationReport, PredictionWriter
 from interleave_model.runtime.compat import CompatCLI
@@ -115,6 +116,11 @@ class InterleaveCLI(CompatCLI):
     def subcommands() -> dict[str, set[str]]:
         return LightningCLI.subcommands() | {"export": {"model", "datamodule"}, "check": {"model", "datamodule"}}
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: list[str] | None) -> None:
+        """Lightning's parse; the arguments are kept as given, for the command that resumes a fit."""
+        self.arguments = list(sys.argv[1:] if args is None else args)
+        super().parse_arguments(parser, args)
+
     def before_instantiate_classes(self) -> None:
         """`check` runs on one device, a CPU where there is no GPU; every command gets what this machine can honour
         of its options, or one `error:` line before anything is built (`interleave_model.runtime.machine`)."""
@@ -187,13 +193,14 @@ class InterleaveCLI(CompatCLI):
 
     def trainer_callbacks(self, config: dict, callbacks: list[Callback]) -> list[Callback]:
         """The step progress bar unless the config turns bars off or names its own; always a save and a non-zero exit
-        status on SIGTERM or Ctrl-C (`StopOnSignal`), and the console summary, last."""
+        status on SIGTERM or Ctrl-C (`StopOnSignal`), a save and the resume's command on running out of GPU memory
+        (`SaveOnOutOfMemory`), and the console summary, last."""
         given = config.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         bar_wanted = config.get("enable_progress_bar") is not False and importlib.util.find_spec("rich") is not None
         if bar_wanted and not any(isinstance(c, ProgressBar) for c in given + callbacks):
             callbacks = [*callbacks, StepProgressBar()]
-        return [*callbacks, StopOnSignal(), ConsoleSummary()]
+        return [*callbacks, StopOnSignal(), SaveOnOutOfMemory(resume_command(self.arguments)), ConsoleSummary()]
 
     def subcommand_defaults(self, subcommand: str) -> dict:
         """`validate` and `test` default to `verbose: false`: the console summary replaces Lightning's metric table."""
@@ -315,10 +322,23 @@ def user_error(err: BaseException) -> BaseException | None:
     return None
 
 
+def resume_command(args: list[str]) -> str:
+    """The command that resumes the fit `args` run: the same, with `--ckpt_path last` for any `--ckpt_path` it names."""
+    named = {i + 1 for i, arg in enumerate(args) if arg == "--ckpt_path"}  # the value of `--ckpt_path X`
+    kept = [arg for i, arg in enumerate(args)
+            if i not in named and arg != "--ckpt_path" and not arg.startswith("--ckpt_path=")]  # fmt: skip
+    return shlex.join(["python", "cli.py", *kept, "--ckpt_path", "last"])
+
+
 def run(args: list[str] | None = None) -> int:
-    """`main`, with the user's own mistakes reported as one `error:` line and exit status 2."""
+    """`main`, with the user's own mistakes reported as one `error:` line and exit status 2, and running out of GPU
+    memory as one `error:` line (in a fit: what was saved, what to lower, the command that resumes) and exit status 1:
+    the run failed, it was not refused."""
     try:
         main(args)
+    except torch.OutOfMemoryError as err:
+        print(f"error: {out_of_memory_message(err)}", file=sys.stderr)
+        return 1
     except Exception as err:
         mistake = user_error(err)
         if mistake is None:

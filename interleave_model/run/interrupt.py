@@ -86,14 +86,24 @@ class StopOnSignal(L.Callback):
             print(said, file=sys.stderr, flush=True)
 
 
-def save_last(trainer: L.Trainer) -> Path | None:
+def save_last(trainer: L.Trainer, alone: bool = False) -> Path | None:
     """Save the run's state as `last.ckpt` in its ModelCheckpoint's folder; None when the run has no ModelCheckpoint.
 
-    Call it on every rank, as `Trainer.save_checkpoint` is.
+    Call it on every rank, as `Trainer.save_checkpoint` is. With `alone`, one rank calls it while the others may be
+    anywhere, in a collective of their own among them: rank 0 writes, with no collective (no barrier after the
+    write), and any other rank writes nothing and gets None. Only for a strategy whose rank 0 holds the whole state
+    (one device, DDP).
     """
     checkpoint = trainer.checkpoint_callback
     if checkpoint is None or checkpoint.dirpath is None:
         return None
     path = Path(checkpoint.dirpath) / f"{checkpoint.CHECKPOINT_NAME_LAST}{checkpoint.FILE_EXTENSION}"
-    trainer.save_checkpoint(path, weights_only=checkpoint.save_weights_only)
+    if not alone:
+        trainer.save_checkpoint(path, weights_only=checkpoint.save_weights_only)
+        return path
+    if not trainer.is_global_zero:
+        return None
+    # Trainer.save_checkpoint (lightning 2.6.6) is this dump, the strategy's write (rank 0's) and then a barrier
+    state = trainer._checkpoint_connector.dump_checkpoint(checkpoint.save_weights_only)
+    trainer.strategy.save_checkpoint(state, path)
     return path
