@@ -25,7 +25,7 @@ from cli import main as cli_main
 from interleave_model.evaluation.lm_eval_tasks import FOLDER
 from interleave_model.model.shipped import resolve_model
 
-MEASURES = {"score": ("score", "alignment,none"), "stderr": ("score_stderr", "alignment_stderr,none"),
+MEASURES = {"score": ("score", "alignment,none"), "stderr": ("score_stderr", "alignment_stderr_texts,none"),
             "exact_match": ("exact_match", "exact_match,none")}  # fmt: skip
 
 

@@ -290,8 +290,9 @@ class InterleaveDataModule(LightningDataModule):
 
         Returns:
             ``prompt_ids`` and ``prompt_mask`` (LongTensor [B, P], mask 1 on real tokens), ``prompts``,
-            ``targets``, ``a`` and ``b`` (the fragments), ``target_ids`` (each target's token ids, no special
-            tokens), ``ids``, ``n_words`` (lists of length B) and ``phase``.
+            ``targets``, ``a`` and ``b`` (the fragments), ``text_a`` and ``text_b`` (the ids of the texts they were
+            cut from: a held-out score's standard error rests on them), ``target_ids`` (each target's token ids, no
+            special tokens), ``ids``, ``n_words`` (lists of length B) and ``phase``.
         """
         tokenizer = self.tokenizer
         if tokenizer is None:
@@ -319,6 +320,8 @@ class InterleaveDataModule(LightningDataModule):
             "targets": targets,
             "a": [e.a for e in examples],
             "b": [e.b for e in examples],
+            "text_a": [e.text_a for e in examples],
+            "text_b": [e.text_b for e in examples],
             "target_ids": tokenizer(targets, add_special_tokens=False)["input_ids"],  # B lists of ints
             "ids": [e.id for e in examples],
             "n_words": [e.n_words for e in examples],

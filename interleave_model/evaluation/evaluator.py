@@ -39,7 +39,8 @@ GREEDY_KEYS = (
     "length_ratio",
     "copy_share",
 )
-"""Values of `AlignmentScore.compute_all()` that go into a row of the report."""
+"""Values of `AlignmentScore.compute_all()` that go into a row of the report as measures (its `texts` is a count, like
+the pairs)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -147,8 +148,9 @@ class SampledAnswers(Metric):
 def length_row(
     n_words: int, pairs: int, greedy: Mapping[str, Tensor | float], sampled: Mapping[str, Tensor | float] | None
 ) -> dict[str, float | int]:
-    """One row of the report: the length, its pair count and every measure as a plain float (NaN stays NaN)."""
-    row: dict[str, float | int] = {"n_words": n_words, "pairs": pairs}
+    """One row of the report: the length, its pair count, the texts they were cut from (which the standard error
+    rests on) and every measure as a plain float (NaN stays NaN)."""
+    row: dict[str, float | int] = {"n_words": n_words, "pairs": pairs, "texts": int(greedy["texts"])}
     row |= {key: float(greedy[key]) for key in GREEDY_KEYS}
     row |= {key: float(value) for key, value in (sampled or {}).items()}
     return row
@@ -197,11 +199,12 @@ class Evaluator(torch.nn.Module):
         return sample(batch, 1, 0.0, None), groups
 
     def update(self, batch: dict, greedy: list[str], groups: list[list[str]] | None, device: torch.device) -> None:
-        """Greedy answers into the length's `AlignmentScore`; sampled groups (if any) into its `SampledAnswers`."""
+        """Greedy answers into the length's `AlignmentScore`, with the texts each pair was cut from (its standard
+        error is over texts); sampled groups (if any) into its `SampledAnswers`."""
         length = str(batch["n_words"][0])
         if length not in self.metrics:
             self.metrics[length] = AlignmentScore().to(device)
-        self.metrics[length].update(greedy, batch["targets"])
+        self.metrics[length].update(greedy, batch["targets"], list(zip(batch["text_a"], batch["text_b"], strict=True)))
         if groups is not None:
             if length not in self.sample_metrics:
                 metric = SampledAnswers(self.pass_k, threshold=self.settings.pass_threshold)
@@ -229,11 +232,12 @@ class Evaluator(torch.nn.Module):
 
 
 def logged_values(rows: Sequence[Mapping[str, float | int]], prefix: str) -> dict[str, float]:
-    """Every measure of the table as `{prefix}/{name}_{n}w` (the score as "alignment"); NaNs are left out."""
+    """Every measure of the table as `{prefix}/{name}_{n}w` (the score as "alignment"); NaNs and counts are left
+    out."""
     values = {}
     for row in rows:
         for name, value in row.items():
-            if name not in ("n_words", "pairs") and not math.isnan(value):
+            if name not in ("n_words", "pairs", "texts") and not math.isnan(value):
                 name = "alignment" if name == "score" else name
                 values[f"{prefix}/{name}_{row['n_words']}w"] = value
     return values

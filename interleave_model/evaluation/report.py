@@ -36,6 +36,7 @@ from interleave_model.evaluation.lm_eval_tasks import DEFAULTS
 COLUMNS = {
     "n_words": "words",
     "pairs": "pairs",
+    "texts": "texts",
     "score": "score",
     "score_stderr": "± s.e.",
     "exact_match": "exact",
@@ -52,6 +53,7 @@ COLUMNS = {
     "self_similarity": "self-sim",
 }
 SAMPLED = ("sample_score", "distinct", "self_similarity")  # follow pass@k in tables
+COUNTS = ("n_words", "pairs", "texts")  # what a row counts, not measures: no difference is taken
 
 
 def build_report(
@@ -117,8 +119,9 @@ def load_report(path: str | os.PathLike) -> dict[str, Any]:
     return from_lm_eval(report) if "lm_eval_version" in report else report
 
 
-# lm-eval's name of each project measure, in a task's results ("<metric>,<filter>" and "<metric>_stderr,<filter>")
-LM_EVAL_MEASURES = {"score": "alignment", "score_stderr": "alignment_stderr", "exact_match": "exact_match",
+# lm-eval's name of each project measure in a task's results ("<metric>,<filter>"): the score's standard error is the
+# tasks' own over texts (lm-eval's "alignment_stderr" would be over independent pairs, and the tasks leave it "N/A")
+LM_EVAL_MEASURES = {"score": "alignment", "score_stderr": "alignment_stderr_texts", "exact_match": "exact_match",
                     "first_error": "first_error", "a_accuracy": "a_accuracy", "b_accuracy": "b_accuracy"}  # fmt: skip
 
 
@@ -134,7 +137,7 @@ def from_lm_eval(results: Mapping[str, Any]) -> dict[str, Any]:
     rows = []
     for n, task in sorted(tasks.items()):
         values = {key.partition(",")[0]: value for key, value in results["results"][task].items() if "," in key}
-        row = {"n_words": n, "pairs": results["n-samples"][task]["effective"]}
+        row = {"n_words": n, "pairs": results["n-samples"][task]["effective"], "texts": values.get("texts")}
         rows.append(row | {ours: _number(values.get(theirs)) for ours, theirs in LM_EVAL_MEASURES.items()})
     config = results["config"]
     args = config.get("model_args") or {}
@@ -165,7 +168,7 @@ def _number(value: Any) -> float:
 
 def measures(report: Mapping[str, Any]) -> list[str]:
     """The measure names of a report's rows in table order: greedy, pass@k by k, the other sampled ones, the rest."""
-    present = {k for row in report["lengths"] for k in row} - {"n_words", "pairs"}
+    present = {k for row in report["lengths"] for k in row} - set(COUNTS)
     pass_k = sorted((k for k in present if k.startswith("pass@")), key=lambda k: int(k[5:]))
     greedy = [k for k in COLUMNS if k in present and k not in SAMPLED]
     sampled = [k for k in SAMPLED if k in present]
@@ -203,18 +206,19 @@ def to_markdown(report: Mapping[str, Any]) -> str:
     """The report as Markdown: what was evaluated, then one table row per length."""
     lines = [f"# Evaluation report ({report['split']})", ""]
     lines += [f"- **{name}**: {text}" for name, text in describe(report).items()]
-    keys = ["n_words", "pairs", *measures(report)]
+    keys = [*_counts([report]), *measures(report)]
     lines += ["", "| " + " | ".join(COLUMNS.get(k, k) for k in keys) + " |"]
     lines.append("|" + "|".join("---:" for _ in keys) + "|")
     for row in report["lengths"]:
         lines.append("| " + " | ".join(_cell(row.get(k)) for k in keys) + " |")
     lines += [
         "",
-        "score: mean alignment score of the greedy answer; ± s.e.: its standard error over the pairs; exact: share "
-        "of exact greedy answers; first error: mean position of the first departure from the target, as a share of "
-        "its length (1 = never); A/B acc: target words of each fragment matched; sub/ins/del: edits per target "
-        "word; length: answer words over target words; copies: share of answers that hold one stream only (one at "
-        "least 80% matched, the other at most 20%); pass@k: chance that k samples hold a "
+        "texts: the texts the pairs were cut from; score: mean alignment score of the greedy answer; ± s.e.: its "
+        "standard error over those texts (pairs that share a text are correlated; nan when every two pairs share "
+        "one); exact: share of exact greedy answers; first error: mean position of the first departure from the "
+        "target, as a share of its length (1 = never); A/B acc: target words of each fragment matched; sub/ins/del: "
+        "edits per target word; length: answer words over target words; copies: share of answers that hold one "
+        "stream only (one at least 80% matched, the other at most 20%); pass@k: chance that k samples hold a "
         "correct one; sample score: mean score of the samples; distinct: different answers per prompt; self-sim: "
         "mean pairwise score among a prompt's samples (1 = all the same).",
         "",
@@ -251,7 +255,7 @@ def compare(reports: Sequence[Mapping[str, Any]], names: Sequence[str]) -> str:
         lines.append(f"{label}: {name}")
         lines += [f"   {key}: {info[key]}" for key in ("model", "checkpoint", "data", "generation")]
     lines += _data_differences(reports, labels)
-    keys = list(dict.fromkeys(k for report in reports for k in ["pairs", *measures(report)]))
+    keys = _counts(reports)[1:] + list(dict.fromkeys(k for report in reports for k in measures(report)))
     header = ["words", "measure", *labels, *(f"{label}-A" for label in labels[1:])]
     table = [header]
     rows = [{row["n_words"]: row for row in report["lengths"]} for report in reports]
@@ -336,6 +340,13 @@ def _data_differences(reports: Sequence[Mapping[str, Any]], labels: Sequence[str
     return lines
 
 
+def _counts(reports: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The counts that lead a table: the length, its pairs and the texts (reports from before the texts were counted,
+    and lm-eval results from before the tasks counted them, have none)."""
+    has_texts = any(row.get("texts") is not None for report in reports for row in report["lengths"])
+    return [key for key in COUNTS if key != "texts" or has_texts]
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "-"
@@ -345,7 +356,7 @@ def _cell(value: Any) -> str:
 
 
 def _delta(first: Any, value: Any, key: str) -> str:
-    if not isinstance(first, int | float) or not isinstance(value, int | float) or key == "pairs":
+    if not isinstance(first, int | float) or not isinstance(value, int | float) or key in COUNTS:
         return ""
     diff = value - first
     return "" if math.isnan(diff) else f"{diff:+.3f}"

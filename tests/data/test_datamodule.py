@@ -40,6 +40,8 @@ def test_collate_left_pads_and_tokenizes_targets_once(tmp_path, tokenizer):
     assert batch["target_ids"] == [tokenizer(e.target, add_special_tokens=False)["input_ids"] for e in examples]
     assert batch["ids"] == [e.id for e in examples] and batch["n_words"] == [10, 25, 50]
     assert batch["prompts"] == [format_prompt(e.a, e.b, "compact") for e in examples] and batch["phase"] == "eval"
+    # the texts the fragments come from: a held-out score's standard error is over them
+    assert (batch["text_a"], batch["text_b"]) == ([e.text_a for e in examples], [e.text_b for e in examples])
 
 
 def test_chat_template_prompts_get_no_second_bos(tmp_path):

@@ -1,9 +1,12 @@
-"""The functions the task YAMLs name (`!function documents.<name>`): documents, prompt, per-pair scores.
+"""The functions the task YAMLs name (`!function documents.<name>`): documents, prompt, per-pair scores and their
+aggregation.
 
 lm-eval imports this file by its path, so it imports the project by its package names and keeps no state.
 """
 
 from __future__ import annotations
+
+import math
 
 import datasets
 
@@ -12,6 +15,7 @@ from interleave_data.pairs import build_examples, check_fractions, split_texts
 from interleave_data.prompts import TEMPLATES, format_prompt
 from interleave_model.evaluation.alignment import align
 from interleave_model.evaluation.lm_eval_tasks import DEFAULTS
+from interleave_model.evaluation.metric import count_texts, stderr_over_texts
 
 
 def load(n_words: int, **metadata) -> datasets.DatasetDict:
@@ -40,8 +44,9 @@ def doc_to_text(doc: dict) -> str:
     return doc["prompt"]
 
 
-def process_results(doc: dict, results: list[str]) -> dict[str, float]:
-    """One pair's measures from its greedy answer, by the project's alignment (`evaluation.alignment.align`)."""
+def process_results(doc: dict, results: list[str]) -> dict[str, float | tuple]:
+    """One pair's measures from its greedy answer, by the project's alignment (`evaluation.alignment.align`), and
+    what the standard error over texts needs of it: its texts and its score."""
     diagnostics = align(results[0], doc["target"])
     return {
         "alignment": diagnostics.score,
@@ -49,4 +54,23 @@ def process_results(doc: dict, results: list[str]) -> dict[str, float]:
         "a_accuracy": diagnostics.a_accuracy,
         "b_accuracy": diagnostics.b_accuracy,
         "first_error": diagnostics.relative_first_error,
+        "alignment_stderr_texts": (doc["text_a"], doc["text_b"], diagnostics.score),
+        "texts": (doc["text_a"], doc["text_b"]),
     }
+
+
+def pair_mean(values: list[float]) -> float:
+    """The mean over pairs: lm-eval's `mean` under another name, so that lm-eval adds no standard error over
+    independent pairs (it writes "N/A"); the score's over texts is `alignment_stderr_texts`."""
+    return math.fsum(values) / len(values)
+
+
+def alignment_stderr_texts(items: list[tuple[str, str, float]]) -> float:
+    """The alignment score's standard error over texts, from each pair's ``(text_a, text_b, score)``: the function
+    behind `cli.py test`'s ``score_stderr`` (`evaluation.metric.stderr_over_texts`)."""
+    return stderr_over_texts([score for _, _, score in items], [(a, b) for a, b, _ in items])
+
+
+def distinct_texts(items: list[tuple[str, str]]) -> int:
+    """The texts the pairs were cut from, from each pair's ``(text_a, text_b)``: `cli.py test`'s ``texts``."""
+    return count_texts(items)

@@ -138,9 +138,11 @@ def test_update_checks_sizes():
 
 def test_length_row():
     greedy = {key: torch.tensor(0.5, dtype=torch.float64) for key in GREEDY_KEYS}
+    greedy["texts"] = torch.tensor(3.0, dtype=torch.float64)  # AlignmentScore counts the texts in float64
     row = length_row(10, 4, greedy, {"pass@1": torch.tensor(0.25)})
-    assert row == {"n_words": 10, "pairs": 4, **dict.fromkeys(GREEDY_KEYS, 0.5), "pass@1": 0.25}
-    assert all(isinstance(v, float) for k, v in row.items() if k not in ("n_words", "pairs"))
+    assert row == {"n_words": 10, "pairs": 4, "texts": 3, **dict.fromkeys(GREEDY_KEYS, 0.5), "pass@1": 0.25}
+    assert isinstance(row["texts"], int)
+    assert all(isinstance(v, float) for k, v in row.items() if k not in ("n_words", "pairs", "texts"))
 
 
 def test_sampled_answers_only_at_the_sample_lengths():

@@ -53,15 +53,15 @@ def test_tiny_model_report_on_two_lengths_has_every_field(make_module, make_data
     assert report["run"]["world_size"] == 1
     assert [row["n_words"] for row in report["lengths"]] == [4, 8]
     for row in report["lengths"]:
-        assert set(row) == {"n_words", "pairs", *GREEDY_KEYS, *SAMPLED_KEYS}
-        assert row["pairs"] == 4
+        assert set(row) == {"n_words", "pairs", "texts", *GREEDY_KEYS, *SAMPLED_KEYS}
+        assert row["pairs"] == 4 and 2 <= row["texts"] <= 8  # the validation texts the 4 pairs were cut from
         for key in ("score", "exact_match", "first_error", "a_accuracy", "b_accuracy", "pass@1", "pass@2"):
             assert 0.0 <= row[key] <= 1.0, key
         assert 1.0 <= row["distinct"] <= 2.0
         assert row["pass@1"] <= row["pass@2"]
 
     markdown = (run / "eval" / "report.md").read_text()
-    assert "| words | pairs | score | ± s.e. | exact | first error |" in markdown
+    assert "| words | pairs | texts | score | ± s.e. | exact | first error |" in markdown
     assert "| pass@1 | pass@2 | sample score | distinct | self-sim |" in markdown
     assert sum(line.startswith("| 4 |") or line.startswith("| 8 |") for line in markdown.splitlines()) == 2
     assert (run / "eval" / "curve.png").read_bytes()[:4] == b"\x89PNG"
@@ -85,7 +85,7 @@ def test_greedy_only_report_has_no_sampled_columns(make_module, make_datamodule,
     trainer.validate(module, datamodule=make_datamodule(module.tokenizer, stages=(4,)), verbose=False)
     report = load_report(tmp_path / "run" / "version_0" / "eval")
     assert report["generation"]["num_samples"] == 0
-    assert [set(row) for row in report["lengths"]] == [{"n_words", "pairs", *GREEDY_KEYS}]
+    assert [set(row) for row in report["lengths"]] == [{"n_words", "pairs", "texts", *GREEDY_KEYS}]
 
 
 def _report(score: float, seed: int = 0, step: int = 0) -> dict:
@@ -158,12 +158,15 @@ def test_reports_are_written_whole(tmp_path, name):
 
 
 def _lm_eval_results(scores: dict[int, float], model: str = "local-chat-completions") -> dict:
-    """lm-eval 0.4.13's results file of the project's tasks, in the fields it writes (a served model's)."""
+    """lm-eval 0.4.13's results file of the project's tasks, in the fields it writes (a served model's): "N/A" for its
+    own standard errors, which the tasks' averages do not get, and the tasks' standard error over texts."""
     tasks = {f"interleave_{n}w": n for n in scores}
-    results = {task: {"alias": task, "alignment,none": scores[n], "alignment_stderr,none": 0.01,
-                      "exact_match,none": 0.0, "exact_match_stderr,none": 0.0, "a_accuracy,none": 0.5,
-                      "a_accuracy_stderr,none": 0.1, "b_accuracy,none": 0.25, "b_accuracy_stderr,none": 0.1,
-                      "first_error,none": 0.125, "first_error_stderr,none": 0.05}
+    results = {task: {"alias": task, "alignment,none": scores[n], "alignment_stderr,none": "N/A",
+                      "exact_match,none": 0.0, "exact_match_stderr,none": "N/A", "a_accuracy,none": 0.5,
+                      "a_accuracy_stderr,none": "N/A", "b_accuracy,none": 0.25, "b_accuracy_stderr,none": "N/A",
+                      "first_error,none": 0.125, "first_error_stderr,none": "N/A",
+                      "alignment_stderr_texts,none": 0.01, "alignment_stderr_texts_stderr,none": "N/A",
+                      "texts,none": 8 - n // 25, "texts_stderr,none": "N/A"}
                for task, n in tasks.items()}  # fmt: skip
     return {"results": results, "n-samples": {task: {"original": 128, "effective": 128} for task in tasks},
             "configs": {task: {"metadata": {"version": 1.0, "test_pairs": 128, "model": "llama"}} for task in tasks},
@@ -185,12 +188,26 @@ def test_lm_eval_results_stand_beside_a_report_and_plot(tmp_path, capsys):
     row10, row25 = served["lengths"]
     assert (row10["n_words"], row10["pairs"], row10["score"], row10["score_stderr"]) == (10, 128, 0.75, 0.01)
     assert row25["score"] == 0.125 and row10["first_error"] == 0.125 and row10["a_accuracy"] == 0.5
+    assert (row10["texts"], row25["texts"]) == (8, 7)
     plot = tmp_path / "curves.png"
     assert main([str(ours), str(tmp_path / "lm_eval"), "--names", "ours", "served", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "A: ours" in out and "B: served" in out
     assert any(line.split() == ["score", "0.500", "0.750", "+0.250"] for line in out.splitlines())
+    assert any(line.split() == ["texts", "-", "8"] for line in out.splitlines())  # a count: no difference
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lm_eval_results_of_the_tasks_before_texts_give_no_standard_error(tmp_path):
+    # tasks 1.0 averaged by lm-eval's `mean`, whose standard error treats the pairs as independent: not read as ours
+    results = _lm_eval_results({10: 0.75})
+    for key in ("alignment_stderr_texts,none", "alignment_stderr_texts_stderr,none", "texts,none", "texts_stderr,none"):
+        del results["results"]["interleave_10w"][key]
+    results["results"]["interleave_10w"]["alignment_stderr,none"] = 0.01
+    (tmp_path / "results_x.json").write_text(json.dumps(results))
+    (row,) = load_report(tmp_path)["lengths"]
+    assert math.isnan(row["score_stderr"]) and row["texts"] is None
+    assert "| words | pairs | score | ± s.e. |" in to_markdown(load_report(tmp_path))
 
 
 def test_lm_eval_results_without_the_tasks_are_refused(tmp_path, capsys):
