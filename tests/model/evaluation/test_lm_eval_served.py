@@ -1,6 +1,7 @@
 """SmolLM2 measured three ways gives each pair `cli.py test`'s score: lm-eval's hf backend, and vLLM's OpenAI-compatible
 server (its CPU build) through `served.py`'s chat and completions APIs, with a key that only the environment holds and
-no output shows. A server that refuses, does not answer or refuses the key is one `error:` line, exit status 2."""
+no output shows. A server that refuses, does not answer or refuses the key is one `error:` line, exit status 2. The
+200- and 500-word prompts reach the server whole, within its context length; a task that cannot fit is refused."""
 
 from __future__ import annotations
 
@@ -11,13 +12,17 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import requests
 
+from interleave_data.prompts import adds_special_tokens, format_prompt
 from interleave_model.evaluation import served
+from interleave_model.evaluation.lm_eval_tasks.documents import load
 from interleave_model.evaluation.report import load_report
+from interleave_model.generation.rollout import answer_budget
 from interleave_model.model import shipped
 from tests.model.evaluation.test_lm_eval_tasks import EVAL_CONFIG, PAIRS, assert_agree, lm_eval_samples, project_records
 
@@ -53,13 +58,18 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(folder, tmp_path_factory):
-    """vLLM's OpenAI-compatible server of SmolLM2 on a free local port, behind a key; shut down after the module."""
+    """vLLM's OpenAI-compatible server of SmolLM2 on a free local port, behind a key; shut down after the module.
+
+    It holds SmolLM2's whole context (8,192 tokens: a 500-word prompt and its budget fit) and answers with at most the
+    10-word budget: the 10-word answers are whole, and a longer length's answer costs no more than they do.
+    """
     pytest.importorskip("vllm")
     port, key = _free_port(), f"key-{secrets.token_hex(8)}"
     log = tmp_path_factory.mktemp("server") / "server.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
                "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "2048", "--enforce-eager", "--api-key", key]  # fmt: skip
+               "--max-model-len", "8192", "--enforce-eager", "--api-key", key,
+               "--override-generation-config", json.dumps({"max_new_tokens": answer_budget(10)})]  # fmt: skip
     env = os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -86,9 +96,9 @@ def server(folder, tmp_path_factory):
             process.kill()
 
 
-def _served(url: str, *extra: str) -> list[str]:
-    return ["--base_url", url, "--model", SERVED_NAME, "--tasks", "interleave_10w", "--timeout", "120",
-            "--metadata", json.dumps({"test_pairs": PAIRS}), *extra]  # fmt: skip
+def _served(url: str, *extra: str, tasks: Sequence[str] = ("interleave_10w",), pairs: int = PAIRS) -> list[str]:
+    return ["--base_url", url, "--model", SERVED_NAME, "--tasks", *tasks, "--timeout", "120",
+            "--metadata", json.dumps({"test_pairs": pairs}), *extra]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -121,6 +131,96 @@ def test_a_wrong_key_is_one_line(server, monkeypatch, capsys):
     assert served.main(_served(url)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "refused the key in OPENAI_API_KEY (HTTP 401)" in err and "\n" not in err
+
+
+@pytest.fixture
+def payloads(monkeypatch) -> list[dict]:
+    """What lm-eval's completions API sends the server, one payload a request (its `prompt` the token ids)."""
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    sent, create = [], LocalCompletionsAPI._create_payload
+
+    def recording(self, *args, **kwargs) -> dict:
+        sent.append(create(self, *args, **kwargs))
+        return sent[-1]
+
+    monkeypatch.setattr(LocalCompletionsAPI, "_create_payload", recording)
+    return sent
+
+
+@pytest.mark.slow
+def test_long_prompts_reach_the_server_whole(server, folder, payloads, monkeypatch):
+    """Under lm-eval's default max_length (2048) a budget of 2,000 tokens would leave 47 of each prompt; `served.py`
+    passes the server's 8,192, and `--gen_kwargs` sets the budget lm-eval asks for."""
+    url, key = server
+    monkeypatch.setenv(served.KEY_VARIABLE, key)
+    tasks = ("interleave_200w", "interleave_500w")
+    extra = ["--api", "completions", "--tokenizer", str(folder), "--limit", "1", "--gen_kwargs", "max_gen_toks=2000"]
+
+    assert served.main(_served(url, *extra, tasks=tasks, pairs=1)) == 0
+
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompts = []
+    for n in (200, 500):
+        (doc,) = load(n, test_pairs=1)["test"]
+        text = format_prompt(doc["a"], doc["b"], "two_processes", tokenizer)  # the chat header, instruction, fragments
+        prompts.append(tokenizer(text, add_special_tokens=adds_special_tokens(tokenizer)).input_ids)
+    assert sorted((ids for payload in payloads for ids in payload["prompt"]), key=len) == prompts
+    assert [payload["max_tokens"] for payload in payloads] == [2000, 2000]
+
+
+def _stand_in(monkeypatch, max_model_len: int | None) -> dict:
+    """A server that says `max_model_len`, and an lm-eval that records what it was given and evaluates nothing."""
+    import lm_eval
+
+    given = {}
+
+    def simple_evaluate(**kwargs) -> dict:
+        given.update(kwargs)
+        return {"results": {}}
+
+    monkeypatch.setattr(served, "probe", lambda base_url, model, timeout: max_model_len)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", simple_evaluate)
+    return given
+
+
+def test_the_server_limit_and_gen_kwargs_reach_lm_eval(folder, monkeypatch):
+    given = _stand_in(monkeypatch, 8192)
+    extra = ["--api", "completions", "--tokenizer", str(folder), "--gen_kwargs", "max_gen_toks=64,temperature=0"]
+
+    assert served.main(_served("http://server/v1", *extra, tasks=["interleave_500w"], pairs=1)) == 0
+
+    assert given["model"] == "local-completions" and given["model_args"]["max_length"] == 8192
+    assert given["gen_kwargs"] == {"max_gen_toks": 64, "temperature": 0}
+
+
+@pytest.mark.parametrize(
+    ("api", "max_length", "whose"),
+    [("completions", "4096", "--max_length"), ("chat", None, "the server's max_model_len")],
+)
+def test_a_task_that_cannot_fit_is_one_line(api, max_length, whose, folder, monkeypatch, capsys):
+    """The 500-word prompt and its budget of 3,008 tokens need more than 4,096: nothing is sent."""
+    given = _stand_in(monkeypatch, 8192 if max_length else 4096)
+    extra = ["--api", api, "--tokenizer", str(folder), *(["--max_length", max_length] if max_length else [])]
+
+    assert served.main(_served("http://server/v1", *extra, tasks=["interleave_200w", "interleave_500w"], pairs=1)) == 2
+
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: interleave_500w: a prompt of ") and "\n" not in err
+    assert "an answer budget of 3,008 (max_gen_toks) need " in err and f"more than {whose} (4,096)" in err
+    assert not given
+
+
+def test_a_completions_server_of_unknown_length_is_one_line(folder, monkeypatch, capsys):
+    given = _stand_in(monkeypatch, None)  # SmolLM2's tokenizer states no model_max_length either
+
+    assert served.main(_served("http://server/v1", "--api", "completions", "--tokenizer", str(folder))) == 2
+
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and err.endswith("pass --max_length") and "\n" not in err
+    assert not given
 
 
 def test_a_refused_connection_is_one_line(capsys):
