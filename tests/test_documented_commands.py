@@ -70,7 +70,8 @@ def documented() -> list[tuple[str, str | None]]:
     for config in sorted((ROOT / "configs").glob("*.yaml")):
         texts.append("\n".join(line[1:] for line in config.read_text().splitlines() if line.startswith("#")))
     texts = [text.replace("\\\n", " ").replace("interleave-grpo ", "python cli.py ") for text in texts]  # one command
-    found = [line for text in texts for line in re.findall(r"\bpython (?:cli\.py|-m) .*", text)]
+    command = r"\bpython (?:cli\.py|-m|benchmarks/\S+\.py) .*|^hf .*"  # the hub's `hf` as `--help` (`runnable`)
+    found = [line for text in texts for line in re.findall(command, text, flags=re.M)]
     commands = []
     for line in found:
         refusal = REFUSAL.search(line)
@@ -89,6 +90,8 @@ def runnable(command: str, model_folder: Path, cache_dir: Path) -> list[str]:
     """The command as it runs here: this interpreter, the fixture for any model folder, short-run settings for what the
     command leaves to its config."""
     argv = shlex.split(command.replace(MODEL, str(model_folder)).replace("--ckpt_path ...", "--ckpt_path last"))
+    if argv[0] == "hf":  # its subcommand's help: what can be checked of a download or a login offline
+        return [*[word for word in argv[:3] if re.fullmatch(r"[a-z]+", word)], "--help"]
     assert argv[0] == "python", command
     argv[0] = sys.executable
     short = []
@@ -132,8 +135,8 @@ class Outcomes:
         self.root, self.model, self.done = root, model, {}
         # as a user runs them: vLLM's KV cache takes the config's share of this machine's memory, as docs/MODELS.md says
         env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
-        env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        self.commands = Preloaded(env, root)  # each command a fresh process, the libraries imported once
+        self.env = env | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        self.commands = Preloaded(self.env, root)  # each command a fresh process, the libraries imported once
 
     def __getitem__(self, command: str) -> subprocess.CompletedProcess:
         if command not in self.done:
@@ -143,7 +146,7 @@ class Outcomes:
     def run_chain(self, chain: str) -> None:
         folder = self.root / chain
         folder.mkdir()
-        for name in ("cli.py", "configs"):
+        for name in ("cli.py", "configs", "benchmarks"):
             (folder / name).symlink_to(ROOT / name)
         for command, refusal in documented_commands().items():
             if chains()[command] != chain or (refusal and torch.cuda.is_available()):
@@ -155,7 +158,10 @@ class Outcomes:
             self.done[command] = self.run(command, folder)
 
     def run(self, command: str, folder: Path) -> subprocess.CompletedProcess:
-        return self.commands.run(runnable(command, self.model, folder / "cache"), folder, timeout=600)
+        argv = runnable(command, self.model, folder / "cache")
+        if argv[0] == "hf":
+            return subprocess.run(argv, cwd=folder, env=self.env, capture_output=True, text=True, timeout=60)
+        return self.commands.run(argv, folder, timeout=600)
 
 
 @pytest.fixture(scope="module")
