@@ -178,6 +178,7 @@ def _terms_out_of_loss(hparams: dict[str, Any]) -> dict[str, Any]:
 REMOVED = {
     ("Optimization", "sft_steps"): "the data's data.sft_steps schedules the phases (InterleaveGRPO.phases)",
     ("Loss", "credit"): "per-word credit had no finding on any subject; GRPO's credit per answer is used",
+    ("Loss", "advantage_sign"): "learning from one sign of the advantages (PSR, NSR) lost to GRPO; both are used",
 }
 
 

@@ -104,7 +104,7 @@ class InterleaveGRPO(L.LightningModule):
         sampling: How the training rollout samples: num_generations (G), temperature, top_p, top_k, max_new_tokens,
             budget_margin (`settings.Sampling`).
         loss: The clipped policy loss: epsilon, epsilon_high, num_iterations, loss_type, max_completion_length,
-            scale_rewards, advantage_estimator, advantage_sign (`settings.Loss`).
+            scale_rewards, advantage_estimator (`settings.Loss`).
         kl: The KL term to the reference: beta, estimator (`settings.Kl`); beta 0 skips the reference.
         guidance: CHORD's supervised term on the known answers (`settings.Guidance`); None (default) = off.
         reference_in_group: LUFFY's known answer as one more group member (`settings.ReferenceInGroup`); None
@@ -372,7 +372,7 @@ class InterleaveGRPO(L.LightningModule):
         engine_logprobs = trajectory.rollout.logprobs  # [N, C], the sampling engine's, when it records them
         if engine_logprobs is not None:  # how far its numerics are from the trainer's (the off-policy gap)
             totals["engine_logprob_gap"] = 0.0
-        advantages = grpo.signed_advantages(trajectory.advantages, loss.advantage_sign)  # [N]
+        advantages = trajectory.advantages  # [N]
         optimizer = self.optimizers()
         optimizer.zero_grad()
         for rows in row_chunks(n_rows, self.micro_batch_size):

@@ -51,7 +51,6 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
-AdvantageSign = Literal["both", "positive", "negative"]
 GuidanceLoss = Literal["phi", "ce"]
 LrSchedule = Literal["cosine", "constant"]
 TinyPositions = Literal["rope", "coupled", "none"]
@@ -179,9 +178,6 @@ class Loss:
         scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO); TRL's.
         advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out; Ahmadian et al., arXiv
             2402.14740, TRL's RLOO trainer).
-        advantage_sign: "both" (GRPO); "positive" keeps only the completions above their baseline (positive sample
-            reinforcement, PSR), "negative" only those below it (negative sample reinforcement, NSR; Zhu et al.,
-            arXiv 2506.01347): the others get advantage 0.
     """
 
     epsilon: float = 0.2
@@ -191,7 +187,6 @@ class Loss:
     max_completion_length: int | None = None
     scale_rewards: ScaleRewards = "group"
     advantage_estimator: AdvantageEstimator = "grpo"
-    advantage_sign: AdvantageSign = "both"
 
     def __post_init__(self) -> None:
         if self.max_completion_length is not None and self.max_completion_length < 1:

@@ -16,11 +16,10 @@ import torch
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import token_logprobs
-from interleave_model.settings import AdvantageEstimator, AdvantageSign, LossType, ScaleRewards
+from interleave_model.settings import AdvantageEstimator, LossType, ScaleRewards
 
 SCALE_REWARDS = get_args(ScaleRewards)
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
-ADVANTAGE_SIGNS = get_args(AdvantageSign)
 LOSS_TYPES = get_args(LossType)
 
 
@@ -133,22 +132,6 @@ def group_advantages(
     flat = zero_std_groups(rewards, num_generations)[:, None]  # [B, 1]
     advantages = advantages.masked_fill(flat, 0.0)  # [B, G]
     return advantages.reshape(-1)  # [B*G]
-
-
-def signed_advantages(advantages: Tensor, sign: AdvantageSign = "both") -> Tensor:
-    """The advantages of one sign: ``"both"`` as they are, ``"positive"`` the negative ones set to 0 (PSR),
-    ``"negative"`` the positive ones set to 0 (NSR; Zhu et al., arXiv 2506.01347). Any shape -> the same shape.
-
-    Raises:
-        ValueError: On an unknown ``sign``.
-    """
-    if sign not in ADVANTAGE_SIGNS:
-        raise ValueError(f"sign must be one of {ADVANTAGE_SIGNS}, got {sign!r}")
-    if sign == "positive":
-        return advantages.clamp(min=0.0)
-    if sign == "negative":
-        return advantages.clamp(max=0.0)
-    return advantages
 
 
 def check_aggregation(

@@ -460,27 +460,3 @@ def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, 
     _fit(module, datamodule, steps=4)
     # two supervised steps, then GRPO's moments count from its own first step, as a run from the warm weights
     assert optimizer_steps == [{1}, {2}, {1}, {2}]
-
-
-@pytest.mark.parametrize("sign", ["positive", "negative"])
-def test_one_signed_advantages_reach_the_loss_the_others_are_zero(make_module, make_datamodule, monkeypatch, sign):
-    seen, policy_loss, group_advantages = [], grpo.policy_loss, grpo.group_advantages
-    computed = []
-
-    def spy(logprobs, old, advantages, *args, **kwargs):
-        seen.append(advantages.clone())
-        return policy_loss(logprobs, old, advantages, *args, **kwargs)
-
-    def record(*args, **kwargs):
-        computed.append(group_advantages(*args, **kwargs))
-        return computed[-1]
-
-    monkeypatch.setattr("interleave_model.module.grpo.policy_loss", spy)
-    monkeypatch.setattr("interleave_model.module.grpo.group_advantages", record)
-    module = make_module(rewards=[CompletionLength()], loss={"advantage_sign": sign}, sampling={"num_generations": 4})
-    _fit(module, make_datamodule(module.tokenizer), steps=2)
-    assert len(seen) == len(computed) == 2
-    for used, full in zip(seen, computed, strict=True):
-        kept = full > 0 if sign == "positive" else full < 0
-        assert kept.any() and (~kept & (full != 0)).any()  # both signs were there to drop
-        torch.testing.assert_close(used, torch.where(kept, full, torch.zeros_like(full)))

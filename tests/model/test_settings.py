@@ -43,6 +43,9 @@ def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog,
         flat = grouped_hparams({"sft_steps": 5, "learning_rate": 2e-4})
     assert grouped["optimization"] == flat["optimization"] == {"learning_rate": 2e-4} and grouped["seed"] == 1
     assert "model.optimization.sft_steps is no longer a setting, ignored (the data's data.sft_steps" in caplog.text
+    with caplog.at_level("INFO"):  # a setting that lost its screen: a run saved with it loads as GRPO
+        assert grouped_hparams({"loss": {"advantage_sign": "positive", "epsilon": 0.3}})["loss"] == {"epsilon": 0.3}
+    assert "model.loss.advantage_sign is no longer a setting, ignored (learning from one sign" in caplog.text
     assert caplog.text.count("model.optimization.sft_steps is no longer a setting") == 1  # read twice, said once
     with pytest.raises(TypeError):
         as_group(Optimization, {"learning_rat": 2e-4})  # a name that never was one is still refused

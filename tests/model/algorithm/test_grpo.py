@@ -11,7 +11,6 @@ from interleave_model.algorithm.grpo import (
     masked_mean,
     policy_loss,
     sft_loss,
-    signed_advantages,
     zero_std_groups,
 )
 from interleave_model.algorithm.logprobs import token_entropy, token_logprobs
@@ -308,13 +307,3 @@ def test_sft_loss_with_nothing_to_learn_is_zero():
     assert loss == 0
     loss.backward()
     assert (logits.grad == 0).all()
-
-
-def test_signed_advantages_keep_one_sign_and_zero_the_other():
-    advantages = torch.tensor([[-1.5, 0.0, 2.0], [0.5, -0.25, 0.0]])
-    assert torch.equal(signed_advantages(advantages, "both"), advantages)
-    assert torch.equal(signed_advantages(advantages, "positive"), torch.tensor([[0.0, 0.0, 2.0], [0.5, 0.0, 0.0]]))
-    negative = torch.tensor([[-1.5, 0.0, 0.0], [0.0, -0.25, 0.0]])
-    assert torch.equal(signed_advantages(advantages, "negative"), negative)
-    with pytest.raises(ValueError, match="sign must be one of"):
-        signed_advantages(advantages, "upward")
