@@ -18,9 +18,9 @@ Two kinds of old name:
   (`check_moved_keys`, run by `cli.py` before parsing).
 - **Flat settings.** Before the settings groups (`settings.py`) a checkpoint's hyperparameters held them flat
   (`model_name_or_path`, `dtype`, `temperature`, `eval_num_samples`, ...), and until the auxiliary terms had their
-  groups, `loss` held theirs. `grouped_hparams` moves each into today's group; `checkpoint_groups` reads a checkpoint's
-  groups that way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook calls
-  `grouped_hparams`.
+  groups, `loss` held theirs. `grouped_hparams` moves each into today's group, then drops the settings and groups
+  removed since (`REMOVED`, `REMOVED_GROUPS`) with one line each; `checkpoint_groups` reads a checkpoint's groups that
+  way for `InterleaveGRPO.load_from_checkpoint`, and the CLI's `checkpoint_hparams` hook calls `grouped_hparams`.
 
 `import interleave_model` runs this module and must stay light (no torch), so what needs the settings or torch
 imports them when first used. New code and docs use the new names.
@@ -39,6 +39,10 @@ from types import ModuleType
 from typing import Any
 
 _PACKAGE = "interleave_model"
+
+# the groups whose fields were flat once under their own names (`evaluation`'s had an `eval_` prefix, and the
+# auxiliary terms' stood in `loss`: `LOSS_MOVED`)
+_FLAT_GROUPS = ("base", "sampling", "loss", "optimization")
 
 # old module name -> its subpackage. `evaluation` and `preflight` are subpackages of those names now; nothing of
 # theirs was ever pickled into a checkpoint or named by a config.
@@ -103,7 +107,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
     return (
         {
             field.name: (group, field.name)
-            for group in ("base", "sampling", "loss", "optimization")
+            for group in _FLAT_GROUPS
             for field in fields(GROUPS[group])
             if (group, field.name) != ("base", "name_or_path")
         }
@@ -115,7 +119,7 @@ def _flat_names() -> dict[str, tuple[str, str]]:
             "pass_threshold": ("evaluation", "pass_threshold"),
             "sample_lengths": ("evaluation", "sample_lengths"),
         }
-        | {name: (cls.lower(), name) for cls, name in REMOVED}
+        | {name: (cls.lower(), name) for cls, name in REMOVED if cls.lower() in _FLAT_GROUPS}
         | {name: ("loss", name) for name in LOSS_MOVED}
     )
 
@@ -132,7 +136,9 @@ def __getattr__(name: str) -> Any:
 
 
 # the auxiliary terms' settings that left `model.loss` for their own groups: old field -> (group, field); the
-# switches `guidance` (a weight, 0: off) and `reference_in_group` (a bool) became the groups' presence (null: off)
+# switches `guidance` (a weight, 0: off) and `reference_in_group` (a bool) became the groups' presence (null: off).
+# `guidance.loss` and the `reference_in_group` group have left the code since: moved here, then dropped
+# (`REMOVED`, `REMOVED_GROUPS`)
 LOSS_MOVED = {
     "beta": ("kl", "beta"),
     "kl_estimator": ("kl", "estimator"),
@@ -179,39 +185,53 @@ REMOVED = {
     ("Optimization", "sft_steps"): "the data's data.sft_steps schedules the phases (InterleaveGRPO.phases)",
     ("Loss", "credit"): "per-word credit had no finding on any subject; GRPO's credit per answer is used",
     ("Loss", "advantage_sign"): "learning from one sign of the advantages (PSR, NSR) lost to GRPO; both are used",
+    ("Guidance", "loss"): "CHORD-phi changed nothing measurable; a phi run resumes with the plain cross-entropy",
+}
+
+# whole groups that left the code, as older checkpoints hold them (a dict: on, None: off): `group -> why`
+REMOVED_GROUPS = {
+    "reference_in_group": "the known answer as one more group member (LUFFY) had no lift; GRPO's own groups are used",
 }
 
 
 # the removed settings this process has said it ignores: a command reads a checkpoint's settings several times
-TOLD: set[tuple[str, str]] = set()
+TOLD: set[str] = set()
 
 
 def _without_removed(hparams: dict[str, Any]) -> dict[str, Any]:
-    """Grouped hyperparameters without the settings removed since (`REMOVED`), one line for each one dropped (once
-    per process)."""
-    from lightning.pytorch.utilities import rank_zero_info
-
+    """Grouped hyperparameters without the settings and groups removed since (`REMOVED`, `REMOVED_GROUPS`), one line
+    for each one dropped (once per process); a removed group that was off (None) goes silently."""
     out = dict(hparams)
     for (cls, name), why in REMOVED.items():
         group = out.get(cls.lower())
         if isinstance(group, dict) and name in group:
             out[cls.lower()] = {key: value for key, value in group.items() if key != name}
-            if (cls, name) not in TOLD:
-                TOLD.add((cls, name))
-                rank_zero_info(f"checkpoint: model.{cls.lower()}.{name} is no longer a setting, ignored ({why})")
+            _tell_ignored(f"model.{cls.lower()}.{name}", why)
+    for group, why in REMOVED_GROUPS.items():
+        if out.pop(group, None) is not None:
+            _tell_ignored(f"model.{group}", why)
     return out
 
 
+def _tell_ignored(setting: str, why: str) -> None:
+    """Say in one line, once per process, that a checkpoint's `setting` is no longer one."""
+    from lightning.pytorch.utilities import rank_zero_info
+
+    if setting not in TOLD:
+        TOLD.add(setting)
+        rank_zero_info(f"checkpoint: {setting} is no longer a setting, ignored ({why})")
+
+
 def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
-    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups, and the settings
-    removed since dropped (`REMOVED`, one line each).
+    """A checkpoint's hyperparameters with any flat, pre-group settings moved into their groups, and the settings and
+    groups removed since dropped (`REMOVED`, `REMOVED_GROUPS`, one line each).
 
     Other hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
     """
     from interleave_model.settings import GROUPS, field_values
 
     flat_names = _flat_names()
-    # `guidance` and `reference_in_group` name a group now (a dict, or None: off) and were flat switches before
+    # `guidance` and `reference_in_group` named a group (a dict, or None: off) and were flat switches before
     flat = {key: hparams[key] for key in flat_names if key in hparams and not _a_group(key, hparams[key])}
     if not flat:
         return _without_removed(_terms_out_of_loss(hparams))
@@ -261,7 +281,8 @@ class MovedKeyError(ValueError):
 def check_moved_keys(args: Iterable[str]) -> None:
     """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved: into `model.base`
     (the flat names of its fields, `FLAT_NAMES`), or out of `model.loss` into an auxiliary term's group
-    (`LOSS_MOVED`).
+    (`LOSS_MOVED`). A key whose new home has left the code since (`REMOVED`, `REMOVED_GROUPS`) is left to the
+    parser, which refuses it as any unknown key.
 
     Raises:
         MovedKeyError: Naming the flag or the file, the old key and the new one.
@@ -269,7 +290,12 @@ def check_moved_keys(args: Iterable[str]) -> None:
     import yaml
 
     moved = {old: ".".join(new) for old, new in _flat_names().items() if new[0] == "base"}  # old key -> new key
-    moved |= {f"loss.{old}": ".".join(name for name in new if name) for old, new in LOSS_MOVED.items()}
+    gone = {(cls.lower(), name) for cls, name in REMOVED}
+    moved |= {
+        f"loss.{old}": ".".join(name for name in new if name)
+        for old, new in LOSS_MOVED.items()
+        if new[0] not in REMOVED_GROUPS and new not in gone
+    }
     args = list(args)
     for i, arg in enumerate(args):
         key = arg.removeprefix("--model.").partition("=")[0]

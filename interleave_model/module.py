@@ -1,12 +1,11 @@
 """The LightningModule: a GRPO step is rollout -> rewards -> advantages -> clipped policy loss, then the auxiliary
-terms (KL to the reference, the reference in the group, guidance); the supervised warm start is one path beside it."""
+terms (KL to the reference, guidance); the supervised warm start is one path beside it."""
 
 from __future__ import annotations
 
 import math
 import time
 import warnings
-from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
 from typing import Literal
@@ -25,11 +24,10 @@ from interleave_model.algorithm.completions import (
     row_chunks,
 )
 from interleave_model.algorithm.dynamic_sampling import refill
-from interleave_model.algorithm.guidance import guidance_weight, supervised_loss
+from interleave_model.algorithm.guidance import guidance_weight
 from interleave_model.algorithm.kl import kl_loss
 from interleave_model.algorithm.ranks import batch_scaled_advantages, mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
-from interleave_model.algorithm.reference_in_group import mixed_group_advantages, samples_share, shaped_reference_loss
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
@@ -70,7 +68,6 @@ from interleave_model.settings import (
     LoraSettings,
     Loss,
     Optimization,
-    ReferenceInGroup,
     Sampling,
     TinyModelConfig,
     VllmSettings,
@@ -107,8 +104,6 @@ class InterleaveGRPO(L.LightningModule):
             scale_rewards, advantage_estimator (`settings.Loss`).
         kl: The KL term to the reference: beta, estimator (`settings.Kl`); beta 0 skips the reference.
         guidance: CHORD's supervised term on the known answers (`settings.Guidance`); None (default) = off.
-        reference_in_group: LUFFY's known answer as one more group member (`settings.ReferenceInGroup`); None
-            (default) = off.
         rewards: Reward functions with weights; the alignment score alone by default.
         optimization: learning_rate, sft_learning_rate, weight_decay, warmup_steps, lr_schedule, max_grad_norm,
             micro_batch_size (`settings.Optimization`); the phases are the data's (`phases`).
@@ -132,7 +127,6 @@ class InterleaveGRPO(L.LightningModule):
         loss: Loss = Loss(),
         kl: Kl = Kl(),
         guidance: Guidance | None = None,
-        reference_in_group: ReferenceInGroup | None = None,
         rewards: list[RewardFunction] | None = None,
         optimization: Optimization = Optimization(),
         dynamic_sampling: DynamicSampling | None = None,
@@ -147,9 +141,8 @@ class InterleaveGRPO(L.LightningModule):
         self.kl, self.guidance = as_group(Kl, kl), typed(Guidance, guidance)
         if self.kl.wasted:
             warn(K1_WARNING)
-        self.reference_in_group = typed(ReferenceInGroup, reference_in_group)
         self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
-        check_groups(sampling, loss, self.reference_in_group, self.dynamic_sampling)
+        check_groups(sampling, loss)
         self.save_hyperparameters(ignore=["rewards"])
         # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
         self.base, self.sampling, self.loss = base, sampling, loss
@@ -321,12 +314,7 @@ class InterleaveGRPO(L.LightningModule):
         fields = {name: each(batch[name]) for name in FIELDS if name in batch}
         rewards, terms = combine(self.reward_functions, roll.texts, targets, roll.truncated.tolist(), **fields)
         rewards = torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P*G]
-        scaling = loss.scale_rewards, loss.advantage_estimator
-        reference = None
-        if self.reference_in_group is not None:  # LUFFY: each group's known answer is one more member, scored with them
-            advantages, reference = mixed_group_advantages(rewards, self._reference_rewards(batch), G, *scaling)
-        else:
-            advantages = grpo.group_advantages(rewards, G, *scaling)  # [P*G]
+        advantages = grpo.group_advantages(rewards, G, loss.scale_rewards, loss.advantage_estimator)  # [P*G]
         scored = time.perf_counter()
 
         input_ids = torch.cat([roll.prompt_ids, roll.completion_ids], dim=1)  # [P*G, Lp+C]
@@ -337,25 +325,22 @@ class InterleaveGRPO(L.LightningModule):
             old = self._logprobs(self.policy, *sequences) if loss.num_iterations > 1 else None
             ref = self._reference_logprobs(*sequences) if self.kl.beta > 0 else None
         fixed = (*sequences, roll.completion_mask, old, ref, rewards, advantages, roll)
-        trajectory = Trajectory(*fixed, reference_advantages=reference)
+        trajectory = Trajectory(*fixed)
         stats = trajectory_stats(trajectory, G) | stream_stats(roll.texts, targets)
         stats |= {"time/rollout_s": rolled - started, "time/reward_s": scored - rolled}
         stats |= {f"train/reward_{name}": sum(v) / len(v) for name, v in terms.items()}
         return trajectory, stats
 
     def grpo_step(self, trajectory: Trajectory, batch: dict) -> dict[str, float]:
-        """One update on a trajectory: the clipped policy loss and the KL term, in micro-batches of rows; then the
-        terms on the known answers, the reference in the group and guidance.
-
-        Their weights: guidance takes mu of the whole, ``(1 - mu) * GRPO + mu * supervised`` (CHORD); within GRPO's
-        share, the reference member takes ``1 / (G + 1)`` and the samples the rest (LUFFY).
-        """
+        """One update on a trajectory: the clipped policy loss and the KL term, in micro-batches of rows; then
+        guidance's cross-entropy on the known answers, which takes mu of the whole: ``(1 - mu) * GRPO + mu * sft``
+        (CHORD)."""
         loss, kl, temperature, G = self.loss, self.kl, self.temperature, self.sampling.num_generations
         if not self._micro_batch_measured:  # `optimization.micro_batch_size: auto`, at the first GRPO step
             self._fastest_micro_batch(trajectory)
         started = time.perf_counter()
         mu = self._guidance_weight()
-        grpo_weight = (1.0 - mu) * (1.0 if self.reference_in_group is None else samples_share(G))
+        grpo_weight = 1.0 - mu
         cap = self.sampler.importance_sampling_cap(trajectory.rollout)  # an engine's samples, corrected: TIS
         mask = trajectory.completion_mask.float()  # [N, C]
         n_rows = mask.shape[0]
@@ -401,13 +386,9 @@ class InterleaveGRPO(L.LightningModule):
             if engine_logprobs is not None:  # `old` is the trainer's log-probs of the weights that sampled
                 gap = grpo.masked_mean((old - engine_logprobs[rows]).abs(), mask[rows])
                 totals["engine_logprob_gap"] += gap.item() * token_share
-        if self.reference_in_group is not None:
-            weight = (1.0 - mu) * (1.0 - samples_share(G))
-            totals |= self._reference_member_backward(batch, trajectory.reference_advantages, weight)
-            totals["loss"] += totals["reference_loss"] * weight
         if mu > 0:
             totals["guidance"] = mu
-            totals["guidance_loss"] = self._target_backward(batch, mu, supervised_loss(self.guidance.loss))
+            totals["guidance_loss"] = self._target_backward(batch, mu)
             totals["loss"] += mu * totals["guidance_loss"]
         stats = {f"train/{k}": v for k, v in totals.items()} | self._step_optimizer(totals["loss"], "grpo")
         stats["train/advantage_abs_mean"] = advantages.abs().mean().item()  # [N]: one advantage per completion
@@ -418,7 +399,7 @@ class InterleaveGRPO(L.LightningModule):
         """Supervised warm-start: cross-entropy on the target tokens (and EOS) only."""
         started = time.perf_counter()
         self.optimizers().zero_grad()
-        loss = self._target_backward(batch, 1.0, grpo.sft_loss)
+        loss = self._target_backward(batch, 1.0)
         stats = {"train/sft_loss": loss} | self._step_optimizer(loss, "sft")
         return stats | {"time/update_s": time.perf_counter() - started}
 
@@ -454,27 +435,12 @@ class InterleaveGRPO(L.LightningModule):
         rank_zero_info(f"model.optimization.micro_batch_size: auto takes {chosen or n_rows} rows a forward, the "
                        f"fastest here (rows a forward: seconds of this step's update; {timed})")  # fmt: skip
 
-    def _reference_member_backward(self, batch: dict, advantages: Tensor, weight: float) -> dict[str, float]:
-        """Backward of `weight` times LUFFY's shaped loss on each prompt's known answer, whose advantage in its group
-        is `advantages` ([P]); what it logs."""
-        gamma, temperature = self.reference_in_group.shaping_gamma, self.temperature
+    def _target_backward(self, batch: dict, weight: float) -> float:
+        """Backward of `weight` times the cross-entropy of the policy on the batch's known answers (the warm start's
+        loss, and guidance's term); the loss's value.
 
-        def shaped(logits: Tensor, labels: Tensor, per_row: Tensor) -> Tensor:  # at the rollout's temperature
-            return shaped_reference_loss(logits / temperature, labels, per_row, gamma)
-
-        value = self._target_backward(batch, weight, shaped, per_row=advantages)
-        return {"reference_loss": value, "reference_advantage": advantages.mean().item()}
-
-    def _target_backward(
-        self, batch: dict, weight: float, loss_of: Callable[..., Tensor], per_row: Tensor | None = None
-    ) -> float:
-        """Backward of `weight` times a loss of the policy's logits on the batch's known answers and their labels
-        (the warm start's cross-entropy, guidance's phi-weighted one, LUFFY's shaped loss); the loss's value.
-
-        Taken `micro_batch_size` rows at a time, as the update is: `loss_of(logits, labels)` of each
-        chunk counts by its share of the batch's target tokens (a mean over tokens, the cross-entropies); with
-        `per_row` ([B], LUFFY's advantages), `loss_of(logits, labels, per_row[rows])` counts by its share of the rows
-        (a mean over rows), so the gradient is the whole batch's. All rows at once would hold all their
+        Taken `micro_batch_size` rows at a time, as the update is: each chunk's mean over its target tokens counts by
+        its share of the batch's, so the gradient is the whole batch's. All rows at once would hold all their
         activations: 8.3 GB for 16 pairs of SmolLM2 at 10 words, 5.1 GB in chunks of 8.
         """
         input_ids, attention_mask, labels = sft_inputs(self.tokenizer, batch, self.device)  # [B, Lp+T], [B, T]
@@ -483,10 +449,7 @@ class InterleaveGRPO(L.LightningModule):
         total = 0.0
         for rows in row_chunks(n_rows, self.micro_batch_size):
             logits = completion_logits(self.policy, input_ids[rows], attention_mask[rows], width=labels.shape[1])
-            if per_row is None:
-                loss = loss_of(logits, labels[rows]) * (counted[rows].sum() / n_tokens).item()  # logits [b, T, V]
-            else:
-                loss = loss_of(logits, labels[rows], per_row[rows]) * ((rows.stop - rows.start) / n_rows)
+            loss = grpo.sft_loss(logits, labels[rows]) * (counted[rows].sum() / n_tokens).item()  # logits [b, T, V]
             self.manual_backward(loss * weight)
             total += loss.item()
         return total
@@ -530,13 +493,6 @@ class InterleaveGRPO(L.LightningModule):
             self.log(name, value, batch_size=1, sync_dist=True)
         self._log_step()
         self.eval_results = {"split": prefix, "step": self.global_step, "lengths": rows}
-
-    def _reference_rewards(self, batch: dict) -> Tensor:
-        """The reward each prompt's known answer earns, as its group's reference member (`model.reference_in_group`)."""
-        targets = batch["targets"]
-        fields = {name: batch[name] for name in FIELDS if name in batch}
-        rewards, _ = combine(self.reward_functions, targets, targets, [False] * len(targets), **fields)
-        return torch.tensor(rewards, dtype=torch.float32, device=self.device)  # [P]
 
     def _rollout(
         self, batch: dict, num_generations: int, temperature: float, generator: torch.Generator | None = None

@@ -9,8 +9,7 @@ model:
   sampling:          {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
   loss:              {epsilon: 0.2, epsilon_high: null, loss_type: grpo, scale_rewards: group, ...}
   kl:                {beta: 0.04, estimator: k3}
-  guidance:          {weight: 0.5, final: 0.0, decay_steps: 0, loss: phi}                            # null: off
-  reference_in_group: {shaping_gamma: 0.1}                                                           # null: off
+  guidance:          {weight: 0.5, final: 0.0, decay_steps: 0}                                       # null: off
   optimization:      {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
   evaluation:        {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
   tiny:              {hidden_size: 128, num_layers: 2, num_heads: 4, intermediate_size: 256, ...}
@@ -22,9 +21,8 @@ model:
 - `Base` (`model.base`): the model trained and how it is loaded; the module hands it to `model/policy.py`.
 - `Sampling` (`model.sampling`): how the training rollout samples; read by `generation/sampler.py` and the module.
 - `Loss` (`model.loss`): GRPO's advantages and clipped policy loss; the module hands it to `algorithm/grpo.py`.
-- `Kl` (`model.kl`), `Guidance` (`model.guidance`), `ReferenceInGroup` (`model.reference_in_group`): the auxiliary
-  terms of the loss, each read by its own part (`algorithm/kl.py`, `algorithm/guidance.py`,
-  `algorithm/reference_in_group.py`).
+- `Kl` (`model.kl`), `Guidance` (`model.guidance`): the auxiliary terms of the loss, each read by its own part
+  (`algorithm/kl.py`, `algorithm/guidance.py`).
 - `Optimization` (`model.optimization`): the optimizer and `algorithm/schedule.py`'s learning rate.
 - `Evaluation` (`model.evaluation`): how validation, test and predict answer; read by `evaluation/evaluator.py`.
 - `TinyModelConfig` (`model.tiny`): the embedded tiny model's shape; read by `model/policy.py`.
@@ -33,11 +31,11 @@ model:
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
 The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`,
-`GuidanceLoss`, `LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups
-existed hold them flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and older ones hold the
-auxiliary terms' settings in `loss` (`beta`, `guidance`, `reference_in_group`, ...); `legacy.grouped_hparams` puts
-them into today's groups. The classes also stay importable from the modules that held
-them before (`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
+`LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups existed hold them
+flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and older ones hold the auxiliary terms'
+settings in `loss` (`beta`, `guidance`, ...); `legacy.grouped_hparams` puts them into today's groups and drops the
+settings removed since, one line each. The classes also stay importable from the modules that held them before
+(`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ KlEstimator = Literal["k1", "k2", "k3"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 ScaleRewards = Literal["group", "batch", "none"]
 AdvantageEstimator = Literal["grpo", "rloo"]
-GuidanceLoss = Literal["phi", "ce"]
 LrSchedule = Literal["cosine", "constant"]
 TinyPositions = Literal["rope", "coupled", "none"]
 
@@ -162,8 +159,7 @@ class Sampling:
 
 @dataclass
 class Loss:
-    """The clipped policy loss of GRPO (`model.loss`); the auxiliary terms have their own groups (`Kl`, `Guidance`,
-    `ReferenceInGroup`).
+    """The clipped policy loss of GRPO (`model.loss`); the auxiliary terms have their own groups (`Kl`, `Guidance`).
 
     Args:
         epsilon: Lower clip of the ratio (1 - epsilon).
@@ -227,20 +223,18 @@ K1_WARNING = (
 @dataclass
 class Guidance:
     """Reference guidance, CHORD (`model.guidance`, `algorithm/guidance.py`); null (the default) is pure GRPO, with
-    no target token in any gradient. The loss is ``(1 - mu) * GRPO + mu *`` a supervised term on the known targets.
+    no target token in any gradient. The loss is ``(1 - mu) * GRPO + mu *`` the warm start's cross-entropy on the
+    known targets (CHORD-mu).
 
     Args:
         weight: mu at GRPO's start, in (0, 1].
         final: mu after `decay_steps` GRPO steps, in [0, 1].
         decay_steps: GRPO steps of mu's cosine decay from `weight` to `final`; 0 keeps `weight`.
-        loss: The supervised term: "phi", each target token's cross-entropy weighted by ``p * (1 - p)`` (CHORD-phi);
-            "ce", the plain cross-entropy of the warm start (CHORD-mu).
     """
 
     weight: float = 0.5
     final: float = 0.0
     decay_steps: int = 0
-    loss: GuidanceLoss = "phi"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.weight <= 1.0:
@@ -249,26 +243,6 @@ class Guidance:
             raise SettingsError(f"model.guidance.final must be in [0, 1], got {self.final}")
         if self.decay_steps < 0:
             raise SettingsError(f"model.guidance.decay_steps must be >= 0, got {self.decay_steps}")
-
-
-@dataclass
-class ReferenceInGroup:
-    """The known answer as one more member of each group, LUFFY (`model.reference_in_group`,
-    `algorithm/reference_in_group.py`); null (the default) is pure GRPO.
-
-    The member is scored with the samples, and its tokens are learned through policy shaping: the loss is
-    ``G / (G + 1)`` of GRPO's on the samples plus ``1 / (G + 1)`` of the reference's. Needs `loss.scale_rewards`
-    `group` or `none`, and no dynamic sampling.
-
-    Args:
-        shaping_gamma: gamma of the shaping ``p / (p + gamma)`` on the reference's tokens, > 0 (LUFFY's 0.1).
-    """
-
-    shaping_gamma: float = 0.1
-
-    def __post_init__(self) -> None:
-        if self.shaping_gamma <= 0:
-            raise SettingsError(f"model.reference_in_group.shaping_gamma must be > 0, got {self.shaping_gamma}")
 
 
 @dataclass
@@ -484,29 +458,16 @@ GROUPS: dict[str, type] = {
 # the auxiliary terms a run may leave out (null: off); kept in the hparams as plain dicts, or None
 TERMS: dict[str, type] = {
     "guidance": Guidance,
-    "reference_in_group": ReferenceInGroup,
 }
 
 
-def check_groups(
-    sampling: Sampling,
-    loss: Loss,
-    reference_in_group: ReferenceInGroup | None = None,
-    dynamic_sampling: DynamicSampling | None = None,
-) -> None:
+def check_groups(sampling: Sampling, loss: Loss) -> None:
     """Refuse settings that do not fit together across groups."""
     if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
         raise SettingsError(
             "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
             "(or a fixed model.sampling.max_new_tokens)"
         )
-    if reference_in_group is not None and loss.scale_rewards == "batch":
-        raise SettingsError(
-            "model.reference_in_group scores each group with its reference: it needs model.loss.scale_rewards group "
-            "or none, got batch"
-        )
-    if reference_in_group is not None and dynamic_sampling is not None:
-        raise SettingsError("model.reference_in_group needs model.dynamic_sampling off: refills change groups")
 
 
 def typed(cls: type, value: Any) -> Any:

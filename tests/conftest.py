@@ -131,10 +131,10 @@ def flat_settings(hparams: dict) -> dict:
     for old, (group, name) in FLAT_NAMES.items():
         if old in LOSS_MOVED:  # an auxiliary term's setting, flat as `loss` held it: its switch, or its value if on
             group, name = LOSS_MOVED[old]
-            term = hparams[group]
+            term = hparams.get(group)  # None too for a group removed since
             if name is None or (old == "guidance" and term is None):
                 flat[old] = term is not None if name is None else 0.0
-            elif term is not None:
+            elif term is not None and name in term:  # a setting removed since has no value to write
                 flat[old] = term[name]
         elif name in hparams[group]:  # a setting removed since has no value to write
             flat[old] = hparams[group][name]

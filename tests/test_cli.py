@@ -60,7 +60,7 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
 
 
 CHOICES = ["model.loss.loss_type", "model.kl.estimator", "model.loss.scale_rewards",
-           "model.loss.advantage_estimator", "model.guidance.loss", "model.optimization.lr_schedule",
+           "model.loss.advantage_estimator", "model.tiny.positions", "model.optimization.lr_schedule",
            "model.rollout_engine",
            "data.curriculum.on_collapse", "data.template", "data.predict_split"]  # fmt: skip
 
@@ -72,7 +72,7 @@ def test_a_mistyped_choice_is_refused_when_the_config_is_parsed(key, tmp_path, c
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     error = [line for line in err.splitlines() if "error:" in line]
-    # a group that may be null (`model.guidance`) is named on the line, its key on the next ones
+    # a group that may be null (`model.tiny`) is named on the line, its key on the next ones
     group, _, name = key.rpartition(".")
     named = key in error[0] or (group in error[0] and f'Parser key "{name}"' in err)
     assert len(error) == 1 and named and "Got value: grp0" in err
@@ -106,10 +106,7 @@ def test_a_bad_path_is_a_one_line_error_with_exit_2(tmp_path, capsys):
         (["--model.guidance.weight=1.5"], "error: model.guidance.weight must be in (0, 1]"),
         (["--model.lora.r=0"], "error: model.lora.r must be >= 1, got 0"),  # a group that may be null, as guidance
         (["--model.dynamic_sampling.max_rounds=-1"], "error: model.dynamic_sampling.max_rounds must be >= 0"),
-        (
-            ["--model.reference_in_group.shaping_gamma=0.1", "--model.loss.scale_rewards=batch"],
-            "error: model.reference_in_group",
-        ),
+        (["--model.loss.loss_type=dr_grpo"], "error: model.loss.loss_type: dr_grpo needs"),  # across groups
     ],
 )
 def test_a_setting_out_of_range_is_a_one_line_error_with_exit_2(setting, says, capsys):
@@ -148,8 +145,8 @@ def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_kno
 
 
 def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog, monkeypatch):
-    """`model.optimization.sft_steps` (now the data's alone) and `model.loss.credit` (removed) in a CLI run's
-    checkpoint: each dropped in one line."""
+    """`model.optimization.sft_steps` (now the data's alone), `model.loss.credit`, guidance's `loss` and the
+    `reference_in_group` group (removed) in a CLI run's checkpoint: each dropped in one line."""
     from interleave_model import legacy
     from interleave_model.module import InterleaveGRPO
 
@@ -158,6 +155,8 @@ def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted,
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
     checkpoint["hyper_parameters"]["optimization"]["sft_steps"] = 2
     checkpoint["hyper_parameters"]["loss"]["credit"] = "word"
+    checkpoint["hyper_parameters"]["guidance"] = {"weight": 0.5, "final": 0.0, "decay_steps": 0, "loss": "phi"}
+    checkpoint["hyper_parameters"]["reference_in_group"] = {"shaping_gamma": 0.1}
     old = tmp_path / "old.ckpt"
     torch.save(checkpoint, old)
 
@@ -167,6 +166,8 @@ def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted,
     assert loaded.optimization.learning_rate == checkpoint["hyper_parameters"]["optimization"]["learning_rate"]
     assert "model.optimization.sft_steps is no longer a setting, ignored" in caplog.text
     assert "model.loss.credit is no longer a setting, ignored (per-word credit had no finding" in caplog.text
+    assert loaded.guidance.weight == 0.5 and "model.guidance.loss is no longer a setting, ignored" in caplog.text
+    assert "model.reference_in_group is no longer a setting, ignored" in caplog.text
     assert (tmp_path / "hf" / "config.json").exists()
 
 

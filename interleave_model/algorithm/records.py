@@ -23,7 +23,6 @@ class Trajectory(NamedTuple):
     rewards: Tensor  # [P*G]
     advantages: Tensor  # [P*G] one per completion
     rollout: Rollout
-    reference_advantages: Tensor | None = None  # [P] each group's known answer, with `model.reference_in_group`
 
 
 class StepRecord(NamedTuple):

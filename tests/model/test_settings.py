@@ -30,7 +30,8 @@ FLAT_BEFORE = [
 def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_name():
     assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
-    removed = {(cls.lower(), name) for cls, name in REMOVED}  # settings removed since: found, then dropped
+    # settings removed since: found, then dropped; a term's (`guidance.loss`) had its flat name in `loss`: `in_loss`
+    removed = {(cls.lower(), name) for cls, name in REMOVED if cls.lower() in GROUPS}
     in_loss = {("loss", name) for name in LOSS_MOVED}  # the terms' settings: into `loss`, then out to their groups
     kl = {("kl", name) for name in asdict(Kl())}  # reached through `in_loss`
     assert set(FLAT_NAMES.values()) == (fields - kl) | removed | in_loss and not fields & (removed | in_loss)
@@ -46,9 +47,26 @@ def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog,
     with caplog.at_level("INFO"):  # a setting that lost its screen: a run saved with it loads as GRPO
         assert grouped_hparams({"loss": {"advantage_sign": "positive", "epsilon": 0.3}})["loss"] == {"epsilon": 0.3}
     assert "model.loss.advantage_sign is no longer a setting, ignored (learning from one sign" in caplog.text
+    with caplog.at_level("INFO"):  # CHORD-phi's term, grouped or still in `loss`: resumed with the plain cross-entropy
+        assert grouped_hparams({"guidance": {"weight": 0.5, "loss": "phi"}})["guidance"] == {"weight": 0.5}
+        assert grouped_hparams({"loss": {"guidance": 0.5, "guidance_loss": "phi"}})["guidance"] == {"weight": 0.5}
+    assert caplog.text.count("model.guidance.loss is no longer a setting, ignored (CHORD-phi changed nothing") == 1
     assert caplog.text.count("model.optimization.sft_steps is no longer a setting") == 1  # read twice, said once
     with pytest.raises(TypeError):
         as_group(Optimization, {"learning_rat": 2e-4})  # a name that never was one is still refused
+
+
+def test_a_removed_group_of_an_old_checkpoint_is_dropped_with_one_line_where_it_was_on(caplog, monkeypatch):
+    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
+    with caplog.at_level("INFO"):
+        assert grouped_hparams({"seed": 1, "reference_in_group": None}) == {"seed": 1}  # off: nothing to say
+    assert "reference_in_group" not in caplog.text
+    with caplog.at_level("INFO"):  # LUFFY's group, on: grouped, in `loss` as a switch, or flat; each loads as GRPO
+        grouped = grouped_hparams({"seed": 1, "reference_in_group": {"shaping_gamma": 0.1}})
+        in_loss = grouped_hparams({"loss": {"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3}})
+        flat = grouped_hparams({"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3})
+    assert grouped == {"seed": 1} and in_loss == flat == {"loss": {"epsilon": 0.3}, "kl": {}, "guidance": None}
+    assert caplog.text.count("model.reference_in_group is no longer a setting, ignored (the known answer") == 1
 
 
 def test_flat_settings_go_into_their_groups_and_the_rest_stays():
@@ -60,7 +78,6 @@ def test_flat_settings_go_into_their_groups_and_the_rest_stays():
         "loss": {},
         "kl": {"beta": 0.0},
         "guidance": None,
-        "reference_in_group": None,
         "optimization": {"learning_rate": 2e-4},
     }
 
@@ -76,13 +93,12 @@ def test_grouped_settings_come_back_unchanged():
         (
             {"beta": 0.1, "kl_estimator": "k2", "guidance": 0.5, "guidance_loss": "ce", "reference_in_group": True,
              "shaping_gamma": 0.2, "epsilon": 0.3},
-            {"kl": {"beta": 0.1, "estimator": "k2"}, "guidance": {"weight": 0.5, "loss": "ce"},
-             "reference_in_group": {"shaping_gamma": 0.2}},
+            {"kl": {"beta": 0.1, "estimator": "k2"}, "guidance": {"weight": 0.5}},  # the two removed since: dropped
         ),
         (  # the terms off, as the old switches wrote it
             {"beta": 0.0, "guidance": 0.0, "guidance_final": 0.0, "reference_in_group": False, "shaping_gamma": 0.1,
              "epsilon": 0.3},
-            {"kl": {"beta": 0.0}, "guidance": None, "reference_in_group": None},
+            {"kl": {"beta": 0.0}, "guidance": None},
         ),
     ],
 )  # fmt: skip
@@ -139,7 +155,7 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
 
     loaded = InterleaveGRPO.load_from_checkpoint(tmp_path / "flat.ckpt")
     assert (loaded.base, loaded.sampling, loaded.loss) == (module.base, module.sampling, module.loss)
-    assert loaded.kl == module.kl and (loaded.guidance, loaded.reference_in_group) == (None, None)
+    assert loaded.kl == module.kl and loaded.guidance is None
     assert (loaded.optimization, loaded.evaluation) == (module.optimization, module.evaluation)
     assert loaded.sampling.top_k == 5 and loaded.evaluation.temperature == 0.2
     weights = module.state_dict()
@@ -154,10 +170,7 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
         (["fit", "--config", "{old}"], "{old}: model.dtype is now model.base.dtype"),
         (["fit", "--config={nested}"], "{nested}: model.init_from is now model.base.init_from"),
         (["fit", "--model.loss.beta=0.1"], "--model.loss.beta is now --model.kl.beta"),
-        (
-            ["fit", "--model.loss.reference_in_group", "true"],
-            "--model.loss.reference_in_group is now --model.reference_in_group",
-        ),
+        (["fit", "--model.loss.guidance_final", "0.1"], "--model.loss.guidance_final is now --model.guidance.final"),
         (["fit", "--config", "{terms}"], "{terms}: model.loss.guidance is now model.guidance.weight"),
     ],
 )
@@ -169,6 +182,10 @@ def test_a_moved_key_is_refused_in_one_line_that_names_the_new_one(tmp_path, arg
     with pytest.raises(MovedKeyError) as raised:
         check_moved_keys([a.format(**paths) for a in args])
     assert str(raised.value) == message.format(**paths)
+
+
+def test_a_key_whose_new_home_left_the_code_is_left_to_the_parser():
+    check_moved_keys(["fit", "--model.loss.reference_in_group", "true", "--model.loss.guidance_loss=ce"])
 
 
 def test_todays_keys_and_configs_pass(tmp_path):
