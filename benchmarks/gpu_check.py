@@ -10,9 +10,10 @@ On one CUDA GPU, in under 10 minutes, it prints one JSON line per phase and appe
   vocabulary written to a temporary folder (`harness.random_model_folder`), which the steps load as any model.
 - `grpo_step`, four lines: one GRPO step after one warm-up step, 4 prompts x 16 completions, with the settings of
   configs/llama-3.2-3b.yaml (LoRA r=16, bf16-mixed): at 10 words with the own sampler, gradient checkpointing on and
-  off, and with vLLM colocated, checkpointing on; and vLLM at 200 words (`words`: 200) with the curriculum's answer
-  budget there (`answer_budget(200)`, 1,208 tokens, what a byte-level BPE needs; the random model never stops, so
-  every answer runs to it), what the long stages will meet. `step_s` is the step's wall time; `rollout_s`,
+  off, and with vLLM colocated, checkpointing on; and vLLM at 200 words (`words`: 200) with the held-out answer
+  budget there (`answer_budget(200)`, 1,208 tokens; training rows of the default corpus run to 1,390 with a
+  byte-level BPE; the random model never stops, so every answer runs to it), what the long stages will meet.
+  `step_s` is the step's wall time; `rollout_s`,
   `reward_s` and `update_s` are what the module logged of it; `tokens_per_s` counts completion tokens per second of
   the step, `rollout_tokens_per_s` per second of the rollout; `peak_gpu_allocated_mb` / `peak_gpu_reserved_mb` are
   torch's peaks and `gpu_used_mb` the whole device's use at the step's end (vLLM's included; asleep, it holds less).
@@ -96,9 +97,14 @@ def nominal_bandwidth(gpu: str | None) -> float | None:
     return None
 
 
+def gpu_device() -> bool:
+    """Whether this machine has a GPU device file (NVIDIA, ROCm, WSL), whatever torch makes of it."""
+    return any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg"))
+
+
 def has_cuda_gpu() -> bool:
     """Whether torch sees a CUDA (or ROCm) GPU; a machine without a GPU device file is answered without torch."""
-    if not any(glob.glob(pattern) for pattern in ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")):
+    if not gpu_device():
         return False
     import torch
 
@@ -122,7 +128,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.phases:
         return run_phases(args)
     if not args.cpu_smoke and not has_cuda_gpu():
-        print(REFUSAL, file=sys.stderr)
+        if gpu_device():  # a GPU that torch cannot use: most often a driver older than torch's CUDA build
+            from interleave_model.runtime.machine import no_gpu_reason
+
+            print(f"error: {no_gpu_reason()}", file=sys.stderr)
+        else:
+            print(REFUSAL, file=sys.stderr)
         return 2
     from provenance import provenance
 

@@ -36,6 +36,15 @@ def test_without_a_gpu_it_refuses_in_one_line():
     assert done.stdout == ""
 
 
+def test_a_gpu_torch_cannot_use_is_refused_with_the_reason(monkeypatch, capsys):
+    monkeypatch.setattr(gpu_check, "gpu_device", lambda: True)  # a device file, and torch sees no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr("interleave_model.runtime.machine.no_gpu_reason", lambda: "the driver 535.104.05 is too old")
+
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().err == "error: the driver 535.104.05 is too old\n"  # not "no CUDA GPU"
+
+
 @pytest.mark.slow
 def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
     out = tmp_path / "check.jsonl"

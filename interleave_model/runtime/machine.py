@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -181,12 +182,15 @@ def no_gpu_reason(driver_file: str = "/proc/driver/nvidia/version") -> str:
     """Why torch sees no GPU, and what to do: no NVIDIA driver at all, or one too old for this torch's CUDA build
     (PyPI's Linux torch wheels are built for a recent CUDA, which needs a recent driver)."""
     try:
-        driver = Path(driver_file).read_text().split("Kernel Module", 1)[-1].split()[0]
-    except (OSError, IndexError):
+        text = Path(driver_file).read_text()
+    except OSError:
         return "this machine has no GPU: run with --trainer.accelerator cpu"
-    built = torch.version.cuda or "no CUDA (a CPU build)"
+    # "... Kernel Module  535.104.05  ..." or the open module's "... Open Kernel Module for x86_64  570.86.15  ..."
+    found = re.search(r"Kernel Module.*?\b(\d+\.\d+(?:\.\d+)?)\b", text)
+    driver = found.group(1) if found else "(version unread)"
+    built = f"built for CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU build"
     return (
-        f"torch {torch.__version__}, built for CUDA {built}, cannot use this machine's NVIDIA driver {driver}: "
+        f"torch {torch.__version__}, {built}, cannot use this machine's NVIDIA driver {driver}: "
         "install a torch built for a CUDA version this driver supports (nvidia-smi names the highest), or update the "
         "driver"
     )

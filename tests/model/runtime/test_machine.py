@@ -67,6 +67,8 @@ def test_a_driver_too_old_for_torchs_cuda_is_named_not_taken_for_no_gpu(tmp_path
 
     assert reason.startswith(f"torch {torch.__version__}, built for CUDA 13.0, cannot use this machine's NVIDIA driver")
     assert "driver 535.104.05: install a torch built for a CUDA version this driver supports" in reason
+    driver.write_text("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  570.86.15  Release Build  (dvs)\n")
+    assert "NVIDIA driver 570.86.15: install" in machine.no_gpu_reason(str(driver))  # the open module's wording
     assert (
         machine.no_gpu_reason(str(tmp_path / "none")) == "this machine has no GPU: run with --trainer.accelerator cpu"
     )
