@@ -13,7 +13,6 @@ from interleave_data.cache import build_cache, cache_path, load_cache
 from interleave_data.corpus import CorpusError, Text, load_corpus
 from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
-from interleave_data.hints import HintSettings, draw_pairs, most_pairs, split_hint
 from interleave_data.pairs import SPLITS, Example, Split, check_fractions, draw_example, split_texts
 from interleave_data.prompts import TEMPLATES, TemplateName, adds_special_tokens, format_prompt
 
@@ -52,8 +51,6 @@ class InterleaveDataModule(LightningDataModule):
             which is what lets GRPO climb a curriculum from there (see ``benchmarks/efficacy.py``).
         eval_batch_size: Prompts per validation / test / predict batch.
         replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
-        hints: How many of the answer's first pairs a GRPO prompt is given (`interleave_data.hints`); none by
-            default. Evaluation prompts never carry one.
         eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
         predict_split: Split served by ``predict_dataloader``.
         cache_dir: Root of the Arrow cache; None means the HF datasets cache.
@@ -79,7 +76,6 @@ class InterleaveDataModule(LightningDataModule):
         sft_stages: Sequence[int] | None = None,
         eval_batch_size: int = 16,
         replay_fraction: float = 0.0,
-        hints: HintSettings = HintSettings(),  # noqa: B008 (frozen)
         eval_stages: Sequence[int] | None = None,
         predict_split: Split = "test",
         cache_dir: str | None = None,
@@ -102,7 +98,6 @@ class InterleaveDataModule(LightningDataModule):
         self.sft_stages = None if sft_stages is None else check_lengths(sft_stages, "sft_stages")
         self.eval_batch_size = eval_batch_size
         self.predict_split = predict_split
-        self.hints = hints
         self.cache_dir = cache_dir
         self._check_args()
         self.tokenizer = tokenizer
@@ -265,7 +260,7 @@ class InterleaveDataModule(LightningDataModule):
         """
         rng = random.Random(f"{self.seed}:refill:{k}:{round_}:{rank}")
         examples = self._draw_grpo(rng, n_words, n, f"refill-{k}:{round_}:{rank}")
-        return self.collate(examples, "grpo", self._hints(examples, k, f"{round_}:{rank}"))
+        return self.collate(examples, "grpo")
 
     def refill_draw(self, k: int, n_words: int) -> Callable[[int, int], dict]:
         """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for training batch ``k``
@@ -277,16 +272,8 @@ class InterleaveDataModule(LightningDataModule):
         """This process's rank among the trainer's (0 without a trainer)."""
         return self.trainer.global_rank if self.trainer is not None else 0
 
-    def _hints(self, examples: list[Example], k: int, stream: str) -> list[int] | None:
-        """The pairs of the answer each prompt of GRPO batch `k` is given (None: no hints)."""
-        most = most_pairs(self.hints, k - self.curriculum.grpo_start)
-        return draw_pairs(random.Random(f"{self.seed}:hint:{k}:{stream}"), examples, most) if most else None
-
-    def collate(self, examples: Sequence[Example], phase: str, hints: Sequence[int] | None = None) -> dict:
+    def collate(self, examples: Sequence[Example], phase: str) -> dict:
         """Formats and tokenizes prompts, left-padded for generation; targets stay strings for the reward.
-
-        With `hints` (pairs per example), each prompt is followed by that many pairs of its answer's tokens, and the
-        example's fragments and target become what is left to answer (`interleave_data.hints.split_hint`).
 
         Returns:
             ``prompt_ids`` and ``prompt_mask`` (LongTensor [B, P], mask 1 on real tokens), ``prompts``,
@@ -304,14 +291,7 @@ class InterleaveDataModule(LightningDataModule):
             raise RuntimeError("the tokenizer has no pad token; set tokenizer.pad_token (e.g. to its eos_token)")
         prompts = [format_prompt(e.a, e.b, self.template, tokenizer) for e in examples]
         special = adds_special_tokens(tokenizer)
-        rows = tokenizer(prompts, add_special_tokens=special)["input_ids"]
-        split = [split_hint(e, h) for e, h in zip(examples, hints or [0] * len(examples), strict=True)]
-        for i, (hint, _) in enumerate(split):
-            if hint:  # the answer's first tokens, as the warm-start's targets tokenize them
-                rows[i] = rows[i] + tokenizer(hint, add_special_tokens=False)["input_ids"]
-                prompts[i] += hint
-        examples = [rest for _, rest in split]
-        encoded = tokenizer.pad({"input_ids": rows}, padding=True, padding_side="left", return_tensors="pt")
+        encoded = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt", add_special_tokens=special)
         targets = [e.target for e in examples]
         return {
             "prompt_ids": encoded["input_ids"].long(),  # [B, P]
@@ -335,8 +315,7 @@ class InterleaveDataModule(LightningDataModule):
     def _collate_train(self, item: tuple[int, str, list[Example]]) -> dict:
         """Training batch ``k``, which carries its index (``batch_index``)."""
         k, phase, examples = item
-        hints = self._hints(examples, k, str(self.rank)) if phase == "grpo" else None
-        return self.collate(examples, phase, hints) | {"batch_index": k}
+        return self.collate(examples, phase) | {"batch_index": k}
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
         return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))

@@ -141,12 +141,11 @@ def flat_settings(hparams: dict) -> dict:
     return flat
 
 
-def fit_one_grpo_step(module, make_datamodule, batch_size: int = 1, **data):
-    """One GRPO step of `module` on 3-word pairs, no validation (`data`: more data module settings); the trainer
-    (its `callback_metrics`)."""
+def fit_one_grpo_step(module, make_datamodule, batch_size: int = 1):
+    """One GRPO step of `module` on 3-word pairs, no validation; the trainer (its `callback_metrics`)."""
     import lightning as L
 
-    datamodule = make_datamodule(module.tokenizer, stages=(3,), train_pairs=4, batch_size=batch_size, **data)
+    datamodule = make_datamodule(module.tokenizer, stages=(3,), train_pairs=4, batch_size=batch_size)
     trainer = L.Trainer(
         accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,

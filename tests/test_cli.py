@@ -11,6 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from cli import main, run
+from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction
 from interleave_model.algorithm.schedule import phase_learning_rate
 from tests.conftest import TINY_CONFIG, flat_settings
 
@@ -169,6 +170,41 @@ def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted,
     assert loaded.guidance.weight == 0.5 and "model.guidance.loss is no longer a setting, ignored" in caplog.text
     assert "model.reference_in_group is no longer a setting, ignored" in caplog.text
     assert (tmp_path / "hf" / "config.json").exists()
+
+
+class Departed(RewardFunction):
+    """A reward a run trained with that has left the code since, as `BothStreamsReward` has."""
+
+    name = "departed"
+
+    def __call__(self, completions, targets, truncated):
+        return [0.5] * len(completions)
+
+
+def test_a_checkpoint_holds_neither_its_rewards_nor_its_data_settings(tmp_path):
+    """Each command names its rewards and data settings, the checkpoint none (`save_hyperparameters(ignore=
+    ["rewards"])`; the data module saves only its curriculum and batch count): a run trained with a reward or a data
+    setting that left the code since (`BothStreamsReward`, `hints`) resumes and tests as any other, with what this
+    command names."""
+    common = ["--config", str(TINY_CONFIG), f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false",
+              "--trainer.limit_val_batches=0", "--trainer.enable_checkpointing=false"]  # fmt: skip
+    # 2 warm-start steps, then a GRPO step that calls the reward
+    trained = main(["fit", *common, "--trainer.max_steps=3", "--model.rewards=[tests.test_cli.Departed]",
+                    "--data.replay_fraction=0.5"])  # fmt: skip
+    assert "train/reward_departed" in trained.trainer.logged_metrics
+    path = tmp_path / "trained.ckpt"
+    trained.trainer.save_checkpoint(path)
+    checkpoint = torch.load(path, weights_only=False)
+    assert "rewards" not in checkpoint["hyper_parameters"] and b"Departed" not in path.read_bytes()
+    assert "datamodule_hyper_parameters" not in checkpoint
+    assert set(checkpoint["InterleaveDataModule"]) == {"curriculum", "batches_run"}
+
+    resumed = main(["fit", *common, "--trainer.max_steps=4", f"--ckpt_path={path}"])
+    assert resumed.trainer.global_step == 4 and "train/reward_alignment" in resumed.trainer.logged_metrics
+    assert [type(r) for r in resumed.model.reward_functions] == [AlignmentReward]
+    assert resumed.datamodule.curriculum.replay_fraction == 0.0
+    tested = main(["test", *common, f"--ckpt_path={path}"])
+    assert "test/alignment_4w" in tested.trainer.callback_metrics
 
 
 def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted, tmp_path):

@@ -111,16 +111,14 @@ def test_the_module_is_built_from_every_key_of_the_config():
     """Rewards, dynamic sampling and every group come from the YAML as `cli.py` parses it; a change updates one
     group's keys and keeps the rest."""
     model = gpu_check.config("smollm2.yaml")["model"] | {
-        "rewards": [
-            {"class_path": "interleave_model.algorithm.rewards.BothStreamsReward", "init_args": {"weight": 0.5}}
-        ],
+        "rewards": [{"class_path": "interleave_model.algorithm.rewards.FormatReward", "init_args": {"weight": 0.5}}],
         "dynamic_sampling": {"max_rounds": 1},
     }
     tiny = {"hidden_size": 16, "num_layers": 1, "num_heads": 1, "intermediate_size": 16}
     module = gpu_check.module_from(
         model, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny, sampling={"num_generations": 2}
     )
-    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("BothStreamsReward", 0.5)]
+    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("FormatReward", 0.5)]
     assert module.dynamic_sampling.max_rounds == 1 and module.base.disable_dropout
     assert module.sampling.num_generations == 2 and module.sampling.temperature == model["sampling"]["temperature"]
     assert module.hparams.lora.r == model["lora"]["r"] and module.optimization.micro_batch_size == 8

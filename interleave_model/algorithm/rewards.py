@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 
-from interleave_model.evaluation.alignment import align_batch, score_batch
+from interleave_model.evaluation.alignment import score_batch
 
 
 class RewardFunction:
@@ -57,38 +57,6 @@ class AlignmentReward(RewardFunction):
         self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool], **fields: Sequence
     ) -> list[float]:
         return score_batch(completions, targets)
-
-
-class BothStreamsReward(RewardFunction):
-    """Pays only for holding both streams: ``min(a_accuracy, b_accuracy) * n_target / max(n_pred, n_target)``.
-
-    The alignment score gives a copy of one fragment 0.5 at every length, so a policy earns half marks without
-    interleaving. Here the weaker stream sets the reward, and words past the target's length scale it down:
-
-    ========================================= ========= ============
-    answer (10-word fragments, 20 words)      alignment both streams
-    ========================================= ========= ============
-    correct                                   1.000     1.000
-    fragment A copied, nothing else           0.500     0.000
-    two pairs interleaved, then the rest of A 0.600     0.200
-    A then B (concatenated)                   0.100     0.100
-    one wrong word                            0.950     0.900
-    the correct first 14 words, then stop     0.700     0.700
-    ========================================= ========= ============
-
-    Stream accuracies come from the alignment's optimal path (`alignment.Alignment`): target words at even
-    positions are fragment A's, odd ones fragment B's.
-    """
-
-    name = "both_streams"
-
-    def __call__(
-        self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool], **fields: Sequence
-    ) -> list[float]:
-        return [
-            min(a.a_accuracy, a.b_accuracy) * a.n_target / max(a.n_pred, a.n_target, 1)
-            for a in align_batch(completions, targets)
-        ]
 
 
 class FormatReward(RewardFunction):

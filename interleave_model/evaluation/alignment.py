@@ -21,7 +21,6 @@ alignment always matches the whole common word prefix of prediction and target, 
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -121,12 +120,6 @@ def score(prediction: str, target: str, normalize: bool = False) -> float:
     return _ratio(_word_distance(pred, tgt), len(pred), len(tgt))
 
 
-# A GRPO step aligns each completion for a reward that reads the alignment (`BothStreamsReward`) and again for the
-# streams it logs (`records.stream_stats`): the second is a lookup. Inputs are strings, the result a frozen record.
-ALIGN_CACHE_SIZE = 4096
-
-
-@functools.lru_cache(maxsize=ALIGN_CACHE_SIZE)
 def align(prediction: str, target: str, normalize: bool = False) -> Alignment:
     """Align prediction to target word by word and describe the optimal alignment (ties: see the module doc).
 

@@ -67,7 +67,7 @@ def coupled_positions(
 
     Args:
         markers: The ids of `A:`, `B:` and `Interleave:` (`config.coupling_markers`); with `input_ids`, a prompt
-            whose markers are not where its length puts them (a hint after `Interleave:`, another template) is refused.
+            whose markers are not where its length puts them (text after `Interleave:`, another template) is refused.
 
     Raises:
         CoupledPositionsError: A prompt that is not `[<s>] A: a1 .. aN B: b1 .. bN Interleave:`, one token each.
@@ -100,7 +100,8 @@ def _check_markers(prompt_ids: Tensor, prompt_mask: Tensor, q: Tensor, n: Tensor
     if bool(((expected >= 0) & (prompt_mask == 1) & (prompt_ids != expected)).any()):
         raise CoupledPositionsError(
             "coupled positions number prompts of the compact template alone (A: a1 .. aN B: b1 .. bN Interleave:), "
-            "and a prompt has its markers elsewhere (a hint, another template): set data.template: compact"
+            "and a prompt has its markers elsewhere (text after `Interleave:`, another template): "
+            "set data.template: compact"
         )
 
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_model.algorithm.rewards import (
-    AlignmentReward,
-    BothStreamsReward,
-    FormatReward,
-    RewardFunction,
-    combine,
-)
+from interleave_model.algorithm.rewards import AlignmentReward, FormatReward, RewardFunction, combine
 
 
 class Constant(RewardFunction):
@@ -83,64 +77,5 @@ def test_a_reward_naming_some_fields_gets_those_alone():
 
 def test_a_three_argument_reward_and_the_shipped_ones_score_alike_with_fields():
     completions, targets, cut = ["x 1 y 2", "u"], ["x 1 y 2", "u 3 v 4"], [False, True]
-    functions = [Constant(0.5), AlignmentReward(), BothStreamsReward(), FormatReward()]  # Constant takes 3 arguments
+    functions = [Constant(0.5), AlignmentReward(), FormatReward()]  # Constant takes 3 arguments
     assert combine(functions, completions, targets, cut, **FIELDS) == combine(functions, completions, targets, cut)
-
-
-A = [f"a{i}" for i in range(10)]
-B = [f"b{i}" for i in range(10)]
-TARGET = " ".join(w for pair in zip(A, B, strict=True) for w in pair)  # 20 words
-
-
-def _both(answer: str) -> float:
-    (value,) = BothStreamsReward()([answer], [TARGET], [False])
-    return value
-
-
-def test_both_streams_pays_the_correct_answer_in_full():
-    assert _both(TARGET) == 1.0
-
-
-@pytest.mark.parametrize("fragment", [A, B], ids=["A", "B"])
-def test_both_streams_pays_nothing_for_a_copy_of_one_fragment(fragment):
-    copy = " ".join(fragment)
-    assert AlignmentReward()([copy], [TARGET], [False]) == [0.5]  # the floor this reward removes
-    assert _both(copy) <= 0.05
-    assert _both(" ".join(w for word in fragment for w in (word, word))) <= 0.05  # doubled to the target's length
-
-
-def test_both_streams_pays_little_for_the_two_fragments_concatenated():
-    assert _both(" ".join(A + B)) <= 0.15  # 0.1: one word of each stream stays in place
-
-
-def test_both_streams_pays_for_pairs_then_a_copy_only_what_was_interleaved():
-    # two pairs, then the rest of A: A 10/10, B 2/10, 12 words -> 0.2
-    assert _both(" ".join(["a0", "b0", "a1", "b1", *A[2:]])) == pytest.approx(0.2)
-
-
-@pytest.mark.parametrize("where", [0, 7, 19])
-def test_one_wrong_or_missing_word_keeps_at_least_0_85(where):
-    words = TARGET.split()
-    wrong = words[:where] + ["zz"] + words[where + 1 :]
-    missing = words[:where] + words[where + 1 :]
-    assert _both(" ".join(wrong)) >= 0.85 and _both(" ".join(missing)) >= 0.85
-
-
-def test_words_past_the_target_are_penalised():
-    # every word right, 5 more: 20 / 25 of the full reward
-    assert _both(TARGET + " x y z w v") == pytest.approx(20 / 25)
-    assert _both(TARGET + " x y z w v") < _both(TARGET + " x") < _both(TARGET)
-
-
-def test_a_step_aligns_each_completion_once_for_the_reward_and_the_logged_streams():
-    from interleave_model.algorithm.records import stream_stats
-    from interleave_model.evaluation.alignment import align
-
-    answers = [TARGET, " ".join(A), " ".join(A + B)]
-    BothStreamsReward()(answers, [TARGET] * 3, [False] * 3)
-    before = align.cache_info()
-    stats = stream_stats(answers, [TARGET] * 3)
-    after = align.cache_info()
-    assert (after.hits - before.hits, after.misses - before.misses) == (3, 0)
-    # the lookups are the same alignments: A copied, and A then B (all of A in place, one word of B), hold one stream
-    assert stats["train/copy_share"] == pytest.approx(2 / 3)

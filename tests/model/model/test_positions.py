@@ -71,7 +71,8 @@ def test_only_a_coupled_model_gets_coupled_positions():
 
 
 def test_a_prompt_with_its_markers_elsewhere_is_refused():
-    """A hint after `Interleave:` (or any other text) would shift every position silently: the markers are checked."""
+    """Text after `Interleave:` (or a prompt of another layout) would shift every position silently: the markers are
+    checked."""
     coupled, tokenizer, _ = _policy("coupled")
     for prompt in (format_prompt("a b", "c d", "compact") + " a c", "B: a b A: c d Interleave:"):
         encoded = tokenizer([prompt], return_tensors="pt")
