@@ -142,6 +142,7 @@ class InterleaveCLI(CompatCLI):
         config = yaml.safe_load(self._parser("check").dump(self.config.check, skip_none=False, skip_validation=True))
         config.pop("rehearse", None)
         gib = config.pop("gpu_memory_gib", None)
+        self.model.sampler.close()  # check's own engine (its greedy answer): the rehearsal's fits build theirs
         argv, sys.argv = sys.argv, sys.argv[:1]  # the rehearsal's commands are `main`'s arguments, not this one's
         try:
             with tempfile.TemporaryDirectory(prefix="rehearsal-") as workdir:

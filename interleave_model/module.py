@@ -234,12 +234,6 @@ class InterleaveGRPO(L.LightningModule):
         if datamodule is not None:
             preflight(self, datamodule, stage)  # bad input is one line now, not after the warm-start
 
-    def teardown(self, stage: str) -> None:
-        # The engine's memory goes back when its fit, validation or test ends, not at the process's exit. Under DDP
-        # its shutdown also tears down the default process group, so it waits for `cli.run`'s `close_engines`.
-        if self.trainer.world_size == 1:
-            self.sampler.close()
-
     def configure_optimizers(self):
         params, opt = [p for p in self.policy.parameters() if p.requires_grad], self.optimization
         return torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)

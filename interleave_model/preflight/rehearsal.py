@@ -141,6 +141,8 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     lines = [f"rehearsal: {model} ({'the embedded tiny model' if name == TINY else f'{name} shrunk'}), on a CPU"]
     lines += [f"rehearsal: {n} words: {first.steps[n]} GRPO steps, {first.seconds[n] / first.steps[n]:.1f} s each"
               for n in stages if first.steps[n]]  # fmt: skip
+    # its engine, KV cache and all, goes before the resume builds another in this process
+    cli.model.sampler.close()
     del cli
 
     again = Rehearsal(stages[-1])
@@ -152,6 +154,7 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     scored = sorted(int(k.removeprefix("val/alignment_").removesuffix("w")) for k in resumed.trainer.callback_metrics
                     if k.startswith("val/alignment_"))  # fmt: skip
     lines.append(f"rehearsal: held-out evaluation at {', '.join(map(str, scored))} words: ok")
+    resumed.model.sampler.close()
     del resumed
 
     out = workdir / "exported"
