@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import tempfile
 import time
@@ -49,7 +48,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--model", default=None, help="a model folder or a shipped model's name; default: the Llama-3 test fixture"
     )
-    parser.add_argument("--random-init", default=None, help="a random model of this shape (grpo_step.RANDOM_SHAPES)")
+    parser.add_argument("--random-init", default=None, help="a random model of this shape (harness.RANDOM_SHAPES)")
     parser.add_argument("--dtype", default=None, help="weights dtype, e.g. bfloat16; default: the folder's")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--generations", type=int, default=16, help="rows per prompt (the cache is shared per group)")
@@ -153,12 +152,10 @@ def main(argv: list[str] | None = None) -> dict:
         run()  # warm-up
         times = []
         for _ in range(args.repeats):
-            if device == "cuda":
-                torch.cuda.synchronize()
+            harness.synchronize()
             start = time.perf_counter()
             run()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            harness.synchronize()
             times.append(time.perf_counter() - start)
         return round(1000 * statistics.median(times) / args.new_tokens, 3)
 
@@ -223,9 +220,7 @@ def main(argv: list[str] | None = None) -> dict:
             q = quantized(input_ids=prompt_ids, attention_mask=prompt_mask).logits.float().log_softmax(-1)
         record["int8_kl"] = round(float((p.exp() * (p - q)).sum(-1).mean()), 4)
     if device == "cuda":
-        from gpu_check import nominal_bandwidth
-
-        bandwidth = nominal_bandwidth(torch.cuda.get_device_name())
+        bandwidth = harness.nominal_bandwidth(torch.cuda.get_device_name())
         record["floor_ms_per_step"] = round(1000 * harness.weight_bytes(model) / bandwidth, 3) if bandwidth else None
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             start = time.perf_counter()
@@ -235,7 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
         kernel_s = sum(e.self_device_time_total for e in profile.key_averages()) / 1e6
         record["busy_share"] = round(kernel_s / wall, 3)
     record.update(trace)
-    print(json.dumps(record), flush=True)
+    harness.emit(record)
     return record
 
 

@@ -27,8 +27,6 @@ the figure to read when other jobs share the machine and `--threads` is 1. The s
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import tempfile
 import time
@@ -173,8 +171,7 @@ def step_work(shape: dict, groups: int, rows: int, prompt: float, completion: fl
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    harness.offline()
     args, step_args = parse(argv)
     precision = "bf16-mixed" if args.bf16 else "32-true"
     torch.set_num_threads(args.threads)
@@ -246,7 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "share_of_cpu_time": round(floor["step"] / measured["step_cpu_s"], 3),
         **trace,
     }
-    print(json.dumps(record), flush=True)
+    harness.emit(record)
     return record
 
 

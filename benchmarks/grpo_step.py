@@ -19,7 +19,6 @@ architecture (for a GPU: add `--accelerator gpu --bf16 --dtype bfloat16 --lora -
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 
@@ -31,15 +30,14 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
     """The module (tiny Llama or a local model folder) and a one-stage datamodule, as the demo config builds them."""
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_model.generation.vllm_engine import VllmSettings
-    from interleave_model.model.policy import LoraSettings, TinyModelConfig
+    from interleave_model.loss_settings import Kl, Optimization
+    from interleave_model.model.policy import LoraSettings
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, Kl, Optimization, Sampling
+    from interleave_model.settings import Base, Sampling
 
-    shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                            intermediate_size=args.mlp)  # fmt: skip
     model = InterleaveGRPO(
         base=Base(name_or_path=args.model, dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing),
-        tiny=shape,
+        tiny=harness.tiny_shape(args),
         template=args.template,
         lora=LoraSettings(r=args.lora_r) if args.lora else None,
         rollout_engine=args.rollout_engine,
@@ -105,10 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shapes = sorted(harness.RANDOM_SHAPES)
     parser.add_argument("--random-init", choices=shapes, help="a random model of this architecture")
     parser.add_argument("--dtype", default=None, help="weights dtype when loading --model from a folder")
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--mlp", type=int, default=256)
+    harness.add_tiny_shape(parser)
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default torch's choice")
     return parser.parse_args(argv)
 
@@ -116,9 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     import torch
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    harness.offline()
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.model = harness.random_model_folder(args.random_init, os.path.join(tmp, "model"), args.template)
         results = {str(words): measure(args, words, os.path.join(tmp, "cache")) for words in args.words}
     first, last = results[str(args.words[0])], results[str(args.words[-1])]
-    shape = f"tiny llama h{args.hidden_size} l{args.layers} a{args.heads} mlp{args.mlp}"
+    shape = harness.tiny_name(args)
     if args.random_init:
         shape = f"{args.random_init} (random init)"
     elif args.model != "tiny":
@@ -151,7 +144,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ms_per_token_last_over_first": round(last["ms_per_token"] / first["ms_per_token"], 3),
         "cpu_ms_per_token_last_over_first": round(last["cpu_ms_per_token"] / first["cpu_ms_per_token"], 3),
     }
-    print(json.dumps(report))
+    harness.emit(report)
     return report
 
 

@@ -1,6 +1,6 @@
-"""What the benchmarks share: resident memory and time marks, the medians of a run's step records, a quiet Trainer, the
---micro-batch-size argument, a parameter count in bytes, and model folders (random weights of a real shape, the
-tests' real-family fixtures).
+"""What the benchmarks share: the offline environment, resident memory and time marks, the medians of a run's step
+records, a quiet Trainer, the --micro-batch-size and tiny-shape arguments, a parameter count in bytes, a GPU's nominal
+bandwidth, model folders (random weights of a real shape, the tests' real-family fixtures) and the JSON line printed.
 
 Every benchmark imports it as a module (`import harness`), run from this folder as `python benchmarks/<name>.py`.
 Everything heavy (torch, lightning, transformers) is imported inside the functions, so that `vs_trl.py` can share the
@@ -9,8 +9,11 @@ reporting helpers without charging TRL's process with this project's imports.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import os
+import re
 import resource
 import statistics
 import sys
@@ -18,6 +21,14 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# a benchmark reads nothing from the hub, and a process of its own keeps the Rust tokenizer to one thread
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def offline() -> None:
+    """`OFFLINE` in this process's environment, where the environment does not set them already."""
+    for key, value in OFFLINE.items():
+        os.environ.setdefault(key, value)
 
 
 def rss_mb() -> tuple[float, float]:
@@ -47,6 +58,27 @@ def micro_batch(value: str) -> int | str | None:
     """A `--micro-batch-size` argument: a number of rows, "all" (None: every row at once) or "auto" (the fastest,
     measured: `model.optimization.micro_batch_size: auto`)."""
     return value if value == "auto" else None if value == "all" else int(value)
+
+
+def add_tiny_shape(parser: argparse.ArgumentParser) -> None:
+    """The tiny Llama's shape as arguments: `--hidden-size`, `--layers`, `--heads`, `--mlp`."""
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--mlp", type=int, default=256)
+
+
+def tiny_shape(args: argparse.Namespace):
+    """The `TinyModelConfig` of `add_tiny_shape`'s arguments."""
+    from interleave_model.model.policy import TinyModelConfig
+
+    return TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
+                           intermediate_size=args.mlp)  # fmt: skip
+
+
+def tiny_name(args: argparse.Namespace) -> str:
+    """How a line names the tiny Llama of `add_tiny_shape`'s arguments."""
+    return f"tiny llama h{args.hidden_size} l{args.layers} a{args.heads} mlp{args.mlp}"
 
 
 def budget(words: int) -> int:
@@ -136,6 +168,29 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued work (a GPU's time is only measured once its kernels have run); nothing on a CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def nominal_bandwidth(gpu: str | None) -> float | None:
+    """The nominal HBM bandwidth (bytes/s) of a GPU by its CUDA name, for the GPUs the benchmarks know; else None."""
+    if not gpu:
+        return None
+    if re.search(r"\bH200\b", gpu):
+        return 4.8e12
+    if re.search(r"\bH100\b", gpu):
+        if "PCIe" in gpu:
+            return 2.0e12
+        return 3.35e12 if ("SXM" in gpu or "HBM3" in gpu) else None  # "H100 80GB HBM3" is the SXM card
+    if re.search(r"\bA100\b", gpu) and "80GB" in gpu:
+        return 2.0e12
+    return None
+
+
 def mark() -> dict[str, float]:
     """A step's start: wall clock, CPU time and resident memory."""
     return {"start": time.perf_counter(), "cpu": time.process_time(), "rss": rss_mb()[0]}
@@ -190,7 +245,7 @@ def family_folder(name: str, folder: str | Path) -> str:
 def emit(line: dict, out: str | None = None) -> None:
     """Print a benchmark's JSON line, and append it to `out` when given."""
     text = json.dumps(line)
-    print(text)
+    print(text, flush=True)
     if out:
         with open(out, "a") as f:
             f.write(text + "\n")

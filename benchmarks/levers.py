@@ -18,13 +18,13 @@ Measured: docs/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import random
 import time
 from collections import Counter
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 from provenance import provenance
@@ -236,11 +236,11 @@ def main() -> None:
     curve = train(model, tasks, kinds, lengths, steps, lr, args.seed, evaluate, every, same_length, *schedule)
     if args.out and lever != "sft":
         save(model, tasks, Path(args.out))
-    print(json.dumps({
+    harness.emit({
         "benchmark": "levers", "lever": lever, "arch": args.arch, "start": args.start, "steps": steps, "lr": lr,
         "lengths": [min(lengths), max(lengths)], "random_share": args.random_share, "seed": args.seed,
         "curve": curve, "seconds": round(time.perf_counter() - started, 1), **provenance(),
-    }))  # fmt: skip
+    })  # fmt: skip
 
 
 def save(model, tasks: Tasks, folder: Path) -> None:

@@ -14,7 +14,6 @@ the environment sets it, as `cli.py` does (unset: the Rust tokenizer may use eve
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 import time
@@ -31,7 +30,7 @@ def datamodule(config: Path, cache_dir: str):
     """The config's data section as an `InterleaveDataModule`, built and set up, without a tokenizer yet."""
     import yaml
 
-    from interleave_data.curriculum import CurriculumSettings
+    from interleave_data.curriculum_types import CurriculumSettings
     from interleave_data.datamodule import InterleaveDataModule
 
     data = yaml.safe_load(config.read_text())["data"]
@@ -94,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
         "cpus": os.cpu_count(),
         "load_average": round(os.getloadavg()[0], 2),
     }
-    print(json.dumps(report))
+    harness.emit(report)
     return report
 
 

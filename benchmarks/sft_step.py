@@ -12,7 +12,6 @@ included) and `sft_loss` the last step's cross-entropy.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import harness
@@ -31,7 +30,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads; default torch's choice")
     args = parser.parse_args(argv)
 
-    import lightning as L
     import torch
 
     from interleave_data.datamodule import InterleaveDataModule
@@ -51,10 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
         val_pairs=4, test_pairs=0, sft_batch_size=args.sft_batch_size, seed=0, tokenizer=module.tokenizer,
         sft_steps=args.steps,
     )  # fmt: skip
-    trainer = L.Trainer(
-        accelerator="cpu", max_steps=args.steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
-    )  # fmt: skip
+    trainer = harness.quiet_trainer("cpu", None, args.steps)
     start_rss, _ = harness.rss_mb()
     started = time.perf_counter()
     trainer.fit(module, datamodule=data)
@@ -66,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
         "fit_s": round(seconds, 2), "peak_rss_mb": peak, "start_rss_mb": start_rss,
         "sft_loss": round(float(trainer.callback_metrics["train/sft_loss"]), 4),
     } | provenance(args.threads)  # fmt: skip
-    print(json.dumps(out), flush=True)
+    harness.emit(out)
     return out
 
 

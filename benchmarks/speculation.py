@@ -76,8 +76,7 @@ def timed(draw, repeats: int) -> tuple[float, float, tuple]:
     for _ in range(repeats):
         wall, cpu = time.perf_counter(), time.process_time()
         out = draw()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # a GPU's work queued by the rollout is part of its time
+        harness.synchronize()  # a GPU's work queued by the rollout is part of its time
         walls.append(time.perf_counter() - wall)
         cpus.append(time.process_time() - cpu)
     return statistics.median(walls), statistics.median(cpus), out

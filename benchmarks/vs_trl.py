@@ -30,12 +30,7 @@ import harness
 from provenance import provenance
 
 HERE = Path(__file__).resolve().parent
-ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-}
+ENV = harness.OFFLINE | {"TRANSFORMERS_OFFLINE": "1"}
 
 
 def prepare(workdir: Path, args: argparse.Namespace) -> Path:
@@ -45,14 +40,11 @@ def prepare(workdir: Path, args: argparse.Namespace) -> Path:
 
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_data.prompts import format_prompt
-    from interleave_model.model.policy import TinyModelConfig
     from interleave_model.model.shipped import resolve_model
     from interleave_model.module import InterleaveGRPO
 
     if args.base == "tiny":
-        shape = TinyModelConfig(hidden_size=args.hidden_size, num_layers=args.layers, num_heads=args.heads,
-                                intermediate_size=args.mlp)  # fmt: skip
-        module = InterleaveGRPO(tiny=shape, template=args.template)
+        module = InterleaveGRPO(tiny=harness.tiny_shape(args), template=args.template)
         folder, tokenizer = workdir / "model", module.tokenizer
         module.policy.save_pretrained(folder)
         tokenizer.save_pretrained(folder)
@@ -207,10 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-cache-mb", type=int, default=1024, help="ours with vLLM: its KV cache, MiB")
     parser.add_argument("--micro-batch-size", type=harness.micro_batch, default="auto",
                         help="ours: rows per update forward, all, or auto (grpo_step.py's default)")  # fmt: skip
-    parser.add_argument("--hidden-size", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--mlp", type=int, default=256)
+    harness.add_tiny_shape(parser)
     parser.add_argument("--model", help=argparse.SUPPRESS)  # worker mode: the saved model folder
     parser.add_argument("--trl-worker", metavar="PROMPTS_JSONL", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -273,9 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         **provenance(args.threads),
         "trl": trl.__version__,
         "cpus": os.cpu_count(),
-        "model": f"tiny llama h{args.hidden_size} l{args.layers} a{args.heads} mlp{args.mlp}"
-        if args.base == "tiny"
-        else args.base,
+        "model": harness.tiny_name(args) if args.base == "tiny" else args.base,
         "lora_r": args.lora_r,
         "max_new_tokens": {w: tokens(args, w) for w in args.words},
         "prompts": args.prompts,
@@ -300,7 +287,7 @@ def main(argv: list[str] | None = None) -> dict:
         }
         | {f"peak_rss<=0.5x_at_{w}": r["ratios"]["peak_rss"] <= 0.5 for w, r in results.items()},
     }
-    print(json.dumps(report))
+    harness.emit(report)
     return report
 
 

@@ -1,7 +1,8 @@
 """Text in, interleaving examples out. Knows nothing of models."""
 
 from interleave_data.corpus import Corpus, CorpusError, Text, load_corpus
-from interleave_data.curriculum import Curriculum, CurriculumSettings
+from interleave_data.curriculum import Curriculum
+from interleave_data.curriculum_types import CurriculumSettings
 from interleave_data.pairs import Example, build_examples, interleave, split_texts
 from interleave_data.prompts import TEMPLATES, format_prompt
 

@@ -5,7 +5,7 @@ import sys
 from collections.abc import Sequence
 
 from interleave_data.corpus import DEFAULT_SOURCE, Corpus, CorpusError, load_corpus
-from interleave_data.curriculum import check_lengths
+from interleave_data.curriculum_types import check_lengths
 from interleave_data.folder import write_dataset
 from interleave_data.pairs import SPLITS, build_dataset, check_fractions, split_texts, usable_counts
 

@@ -11,7 +11,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from interleave_data.cache import build_cache, cache_path, load_cache
 from interleave_data.corpus import CorpusError, Text, load_corpus
-from interleave_data.curriculum import Curriculum, CurriculumSettings, check_lengths
+from interleave_data.curriculum import Curriculum
+from interleave_data.curriculum_types import CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
 from interleave_data.pairs import SPLITS, Example, Split, check_fractions, draw_example, split_texts
 from interleave_data.prompts import TEMPLATES, TemplateName, adds_special_tokens, format_prompt

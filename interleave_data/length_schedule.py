@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 from interleave_data.corpus import CorpusError
 
@@ -23,10 +22,9 @@ class AdaptiveLength:
 
     Attributes:
         success: Alignment score from which a sampled answer counts as a success.
-        signal: What the rule reads as `R`: "success", the share of the batch's samples at its length that reach
-            `success`; or "reward", their mean reward (the alignment score), AdaRFT's `R` itself, which keeps
-            moving where samples earn partial credit but none succeeds yet.
-        target: The success rate (or mean reward) the length aims the samples at (AdaRFT's beta).
+        target: The share of the batch's samples at its length that reach `success` (the rule's `R`) the length
+            aims the samples at (AdaRFT's beta). AdaRFT's own `R`, the mean reward, climbed on answers worth half
+            here (docs/RESULTS.md, "Tried and dropped").
         step: The largest change of the length's logarithm per batch (AdaRFT's eta): 0.05 is at most about 4% of
             the length per batch after the tanh.
         sensitivity: AdaRFT's alpha in `tanh(alpha * (rate - target))`: how soon a rate away from the target gives a
@@ -36,7 +34,6 @@ class AdaptiveLength:
     """
 
     success: float = 0.9
-    signal: Literal["success", "reward"] = "success"
     target: float = 0.5
     step: float = 0.05
     sensitivity: float = 2.0
@@ -47,8 +44,6 @@ class AdaptiveLength:
             raise CorpusError(
                 f"curriculum.adaptive: need 0 < success <= 1 and 0 < target < 1, got {self.success}, {self.target}"
             )
-        if self.signal not in ("success", "reward"):
-            raise CorpusError(f"curriculum.adaptive.signal: 'success' or 'reward', got {self.signal!r}")
         if self.step <= 0 or self.sensitivity <= 0 or not 0.0 < self.replay_spread <= 1.0:
             raise CorpusError(
                 "curriculum.adaptive: need step > 0, sensitivity > 0 and 0 < replay_spread <= 1, got "
@@ -57,7 +52,7 @@ class AdaptiveLength:
 
 
 def next_level(level: float, rate: float, settings: AdaptiveLength, low: int, high: int) -> float:
-    """The continuous length after a batch whose samples read `rate` (`settings.signal`), clipped to `[low, high]`.
+    """The continuous length after a batch whose samples succeed at `rate`, clipped to `[low, high]`.
 
     `log level' = log level + step * tanh(sensitivity * (rate - target))`. For example at 20 words with step 0.05,
     sensitivity 2, target 0.5: rate 1.0 gives 20 * exp(0.05 * tanh(1)) = 20.78, rate 0.5 stays at 20, rate 0

@@ -102,7 +102,7 @@ sys.meta_path.append(_OldNames())
 
 @functools.cache
 def _flat_names() -> dict[str, tuple[str, str]]:
-    from interleave_model.settings import GROUPS
+    from interleave_model.groups import GROUPS
 
     return (
         {
@@ -137,8 +137,8 @@ def __getattr__(name: str) -> Any:
 
 # the auxiliary terms' settings that left `model.loss` for their own groups: old field -> (group, field); the
 # switches `guidance` (a weight, 0: off) and `reference_in_group` (a bool) became the groups' presence (null: off).
-# `guidance.loss` and the `reference_in_group` group have left the code since: moved here, then dropped
-# (`REMOVED`, `REMOVED_GROUPS`)
+# `guidance.loss`, `guidance.final`, `guidance.decay_steps` and the `reference_in_group` group have left the code
+# since: moved here, then dropped (`REMOVED`, `REMOVED_GROUPS`)
 LOSS_MOVED = {
     "beta": ("kl", "beta"),
     "kl_estimator": ("kl", "estimator"),
@@ -186,6 +186,9 @@ REMOVED = {
     ("Loss", "credit"): "per-word credit had no finding on any subject; GRPO's credit per answer is used",
     ("Loss", "advantage_sign"): "learning from one sign of the advantages (PSR, NSR) lost to GRPO; both are used",
     ("Guidance", "loss"): "CHORD-phi changed nothing measurable; a phi run resumes with the plain cross-entropy",
+    ("Guidance", "final"): "mu's decay changed nothing measurable; a run resumes at its constant model.guidance.weight",
+    ("Guidance", "decay_steps"): "mu's decay changed nothing measurable; a run resumes at its constant "
+    "model.guidance.weight",
 }
 
 # whole groups that left the code, as older checkpoints hold them (a dict: on, None: off): `group -> why`
@@ -228,7 +231,7 @@ def grouped_hparams(hparams: dict[str, Any]) -> dict[str, Any]:
 
     Other hyperparameters already grouped come back unchanged; a flat value wins over a default of its group.
     """
-    from interleave_model.settings import GROUPS, field_values
+    from interleave_model.groups import GROUPS, field_values
 
     flat_names = _flat_names()
     # `guidance` and `reference_in_group` named a group (a dict, or None: off) and were flat switches before
@@ -256,7 +259,7 @@ def stored_temperature(checkpoint: dict[str, Any]) -> float | None:
 
 def configured_temperature(checkpoint: dict[str, Any]) -> float | None:
     """The `model.sampling.temperature` a checkpoint's run was configured with (flat in older checkpoints)."""
-    from interleave_model.settings import field_values
+    from interleave_model.groups import field_values
 
     sampling = grouped_hparams(checkpoint.get("hyper_parameters") or {}).get("sampling")
     if sampling is None:
@@ -265,10 +268,19 @@ def configured_temperature(checkpoint: dict[str, Any]) -> float | None:
     return values.get("temperature")
 
 
+def resumed_temperature(checkpoint: dict, configured: float) -> float:
+    """The rollout temperature a run resumes at: the one it was sampling at (a curriculum may have raised it), unless
+    this command configures another `model.sampling.temperature` than the checkpoint's run did: then the user's."""
+    stored = stored_temperature(checkpoint)
+    if stored is None or configured_temperature(checkpoint) != configured:
+        return configured
+    return stored
+
+
 def checkpoint_groups(checkpoint_path) -> dict[str, dict[str, Any]]:
     """The settings groups of a checkpoint's hyperparameters, flat settings of an older one put into their groups."""
+    from interleave_model.groups import GROUPS, TERMS
     from interleave_model.model.checkpoint import safe_load
-    from interleave_model.settings import GROUPS, TERMS
 
     hparams = safe_load(checkpoint_path, "load_from_checkpoint", mmap=True)["hyper_parameters"]
     return {name: value for name, value in grouped_hparams(hparams).items() if name in GROUPS | TERMS}

@@ -1,15 +1,17 @@
-"""Every settings group of the model, with TRL's names where TRL has the knob: the one place a reader looks them up.
+"""The settings groups of the model, its sampling, evaluation and engines, with TRL's names where TRL has the knob;
+the update's groups (`model.loss`, `model.kl`, `model.guidance`, `model.optimization`) are in `loss_settings.py`, and
+`groups.py` lists the groups the module holds. Together they are the one place a reader looks a setting up.
 
 Each group is a dataclass that a config writes under its key of `model`; the code that reads a group imports it from
-here, and this module imports nothing of the project.
+its file, and this module imports nothing of the project.
 
 ```yaml
 model:
   base:              {name_or_path: tiny, dtype: null, gradient_checkpointing: false, init_from: null, ...}
   sampling:          {num_generations: 8, temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: null, ...}
   loss:              {epsilon: 0.2, epsilon_high: null, loss_type: grpo, scale_rewards: group, ...}
-  kl:                {beta: 0.04, estimator: k3}
-  guidance:          {weight: 0.5, final: 0.0, decay_steps: 0}                                       # null: off
+  kl:                {beta: 0.0, estimator: k3}
+  guidance:          {weight: 0.5}                                                                   # null: off
   optimization:      {learning_rate: 1.0e-05, sft_learning_rate: 0.001, warmup_steps: 0, max_grad_norm: 1.0, ...}
   evaluation:        {num_samples: 0, temperature: 1.0, pass_k: null, pass_threshold: 1.0}
   tiny:              {hidden_size: 128, num_layers: 2, num_heads: 4, intermediate_size: 256, ...}
@@ -20,36 +22,32 @@ model:
 
 - `Base` (`model.base`): the model trained and how it is loaded; the module hands it to `model/policy.py`.
 - `Sampling` (`model.sampling`): how the training rollout samples; read by `generation/sampler.py` and the module.
-- `Loss` (`model.loss`): GRPO's advantages and clipped policy loss; the module hands it to `algorithm/grpo.py`.
-- `Kl` (`model.kl`), `Guidance` (`model.guidance`): the auxiliary terms of the loss, each read by its own part
-  (`algorithm/kl.py`, `algorithm/guidance.py`).
-- `Optimization` (`model.optimization`): the optimizer and `algorithm/schedule.py`'s learning rate.
+- In `loss_settings.py`: `Loss` (`model.loss`), GRPO's advantages and clipped policy loss (`algorithm/grpo.py`);
+  `Kl` (`model.kl`) and `Guidance` (`model.guidance`), the auxiliary terms of the loss (`algorithm/kl.py`, and
+  `algorithm/update.target_backward` weighted by mu); `Optimization` (`model.optimization`), the optimizer and
+  `algorithm/schedule.py`'s learning rate.
 - `Evaluation` (`model.evaluation`): how validation, test and predict answer; read by `evaluation/evaluator.py`.
 - `TinyModelConfig` (`model.tiny`): the embedded tiny model's shape; read by `model/policy.py`.
 - `LoraSettings` (`model.lora`): the adapter; read by `model/policy.py`.
 - `DynamicSampling` (`model.dynamic_sampling`): DAPO's refill; the module runs `algorithm/dynamic_sampling.py`.
 - `VllmSettings` (`model.vllm`): the vLLM engine's options; read by `generation/vllm_engine.py`.
 
-The string choices are `Literal`s (`KlEstimator`, `LossType`, `ScaleRewards`, `AdvantageEstimator`,
-`LrSchedule`), so a typo fails when the config is parsed. Checkpoints written before the groups existed hold them
-flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and older ones hold the auxiliary terms'
-settings in `loss` (`beta`, `guidance`, ...); `legacy.grouped_hparams` puts them into today's groups and drops the
-settings removed since, one line each. The classes also stay importable from the modules that held them before
-(`model.policy.LoraSettings`), by which older checkpoints name them (`legacy.old_paths`).
+The string choices are `Literal`s (`TinyPositions` here; `KlEstimator`, `LossType`, `ScaleRewards`,
+`AdvantageEstimator`, `LrSchedule` in `loss_settings.py`), so a typo fails when the config is parsed. Checkpoints
+written before the groups existed hold them flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and
+older ones hold the auxiliary terms' settings in `loss` (`beta`, `guidance`, ...); `legacy.grouped_hparams` puts them
+into today's groups and drops the settings removed since, one line each. The classes also stay importable from the
+modules that held them before (`model.policy.LoraSettings`), by which older checkpoints name them
+(`legacy.old_paths`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Literal
 
 # The string choices, as types: a config naming another value is refused when it is parsed, before any step runs.
-KlEstimator = Literal["k1", "k2", "k3"]
-LossType = Literal["grpo", "dr_grpo", "dapo"]
-ScaleRewards = Literal["group", "batch", "none"]
-AdvantageEstimator = Literal["grpo", "rloo"]
-LrSchedule = Literal["cosine", "constant"]
 TinyPositions = Literal["rope", "coupled", "none"]
 
 
@@ -106,9 +104,12 @@ class Sampling:
             (`generation/merged_copy.py`); null samples from the policy itself. "float32" samples the same
             distribution up to rounding; "bfloat16" reads half the bytes per decode step but samples a slightly
             different policy (its log-probs are recorded: `train/engine_logprob_gap`), and on a CPU without bf16
-            instructions falls back to "float32". "auto" times a short rollout of the first training batch from
-            each and keeps the faster (`merged_copy.fastest_copy`), said in one line. Validation, test and predict
-            always sample from the policy.
+            instructions falls back to "float32". "prepacked" is the bfloat16 copy with every decoder linear
+            layer's weight reordered into oneDNN's blocked layout once per update instead of at every decode step
+            (a CPU whose oneDNN has bf16; elsewhere the plain "bfloat16"). "auto" times a short rollout of the first
+            training batch from each (five draws after a warm-up, the median) and keeps the fastest
+            (`merged_copy.fastest_copy`), said in one line with the times and their spread. Validation, test and
+            predict always sample from the policy.
         importance_sampling_cap: With a merged copy, weight each token's policy-gradient term by the truncated
             importance ratio min(pi_policy / pi_copy, cap) (TIS, as `model.vllm.importance_sampling_cap` does for
             vLLM's samples); null: no correction.
@@ -147,136 +148,14 @@ class Sampling:
             raise SettingsError(
                 f"model.sampling.num_generations must be >= 2 for group-relative advantages, got {self.num_generations}"
             )
-        if self.merged_copy not in (None, "auto", "float32", "bfloat16"):
+        if self.merged_copy not in (None, "auto", "float32", "bfloat16", "prepacked"):
             raise SettingsError(
-                f"model.sampling.merged_copy must be null, auto, float32 or bfloat16, got {self.merged_copy!r}"
+                f"model.sampling.merged_copy must be null, auto, float32, bfloat16 or prepacked, got "
+                f"{self.merged_copy!r}"
             )
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1.0:
             raise SettingsError(
                 f"model.sampling.importance_sampling_cap must be null or >= 1, got {self.importance_sampling_cap}"
-            )
-
-
-@dataclass
-class Loss:
-    """The clipped policy loss of GRPO (`model.loss`); the auxiliary terms have their own groups (`Kl`, `Guidance`).
-
-    Args:
-        epsilon: Lower clip of the ratio (1 - epsilon).
-        epsilon_high: Upper clip (1 + epsilon_high), DAPO's "clip-higher" (Yu et al., arXiv 2503.14476); None means
-            epsilon.
-        num_iterations: Updates per rollout (mu); above 1 the old log-probs are computed once and reused.
-        loss_type: "grpo" (sequence mean, Shao et al., arXiv 2402.03300), "dr_grpo" (constant normaliser, Liu et al.,
-            arXiv 2503.20783) or "dapo" (token level: the tokens of all ranks, arXiv 2503.14476); TRL's names.
-        max_completion_length: The constant length of "dr_grpo"'s normaliser, token sum / (N * this) (TRL's name);
-            None means `sampling.max_new_tokens`. "dr_grpo" needs one of the two: a normaliser taken from the batch's
-            longest completion would reweight every token by how long its batch happened to run.
-        scale_rewards: "group", "batch" (the reward std of all ranks) or "none" (Dr. GRPO); TRL's.
-        advantage_estimator: "grpo" (group mean baseline) or "rloo" (leave-one-out; Ahmadian et al., arXiv
-            2402.14740, TRL's RLOO trainer).
-    """
-
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    num_iterations: int = 1
-    loss_type: LossType = "grpo"
-    max_completion_length: int | None = None
-    scale_rewards: ScaleRewards = "group"
-    advantage_estimator: AdvantageEstimator = "grpo"
-
-    def __post_init__(self) -> None:
-        if self.max_completion_length is not None and self.max_completion_length < 1:
-            raise SettingsError(f"model.loss.max_completion_length must be >= 1, got {self.max_completion_length}")
-        if self.num_iterations < 1:
-            raise SettingsError(f"model.loss.num_iterations must be >= 1, got {self.num_iterations}")
-
-
-@dataclass
-class Kl:
-    """The KL term to the frozen reference (`model.kl`, `algorithm/kl.py`): `beta` times the KL estimate of each
-    completion token, aggregated as the policy loss aggregates its tokens (TRL's `beta`).
-
-    Args:
-        beta: The coefficient; 0 skips the reference's forward entirely.
-        estimator: "k1", "k2" or "k3" (`kl.kl_divergence`). As a loss term k1's expected gradient is zero, so
-            `beta > 0` with k1 warns (`K1_WARNING`) when the module is built.
-    """
-
-    beta: float = 0.04
-    estimator: KlEstimator = "k3"
-
-    def __post_init__(self) -> None:
-        if self.beta < 0:
-            raise SettingsError(f"model.kl.beta must be >= 0, got {self.beta}")
-
-    @property
-    def wasted(self) -> bool:
-        """True where beta > 0 buys nothing: as a loss term, k1's expected gradient is zero."""
-        return self.beta > 0 and self.estimator == "k1"
-
-
-K1_WARNING = (
-    "model.kl.estimator: k1 has zero expected gradient as a loss term, so beta > 0 regularises nothing; use k3 (or k2)"
-)
-
-
-@dataclass
-class Guidance:
-    """Reference guidance, CHORD (`model.guidance`, `algorithm/guidance.py`); null (the default) is pure GRPO, with
-    no target token in any gradient. The loss is ``(1 - mu) * GRPO + mu *`` the warm start's cross-entropy on the
-    known targets (CHORD-mu).
-
-    Args:
-        weight: mu at GRPO's start, in (0, 1].
-        final: mu after `decay_steps` GRPO steps, in [0, 1].
-        decay_steps: GRPO steps of mu's cosine decay from `weight` to `final`; 0 keeps `weight`.
-    """
-
-    weight: float = 0.5
-    final: float = 0.0
-    decay_steps: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0.0 < self.weight <= 1.0:
-            raise SettingsError(f"model.guidance.weight must be in (0, 1] (null turns guidance off), got {self.weight}")
-        if not 0.0 <= self.final <= 1.0:
-            raise SettingsError(f"model.guidance.final must be in [0, 1], got {self.final}")
-        if self.decay_steps < 0:
-            raise SettingsError(f"model.guidance.decay_steps must be >= 0, got {self.decay_steps}")
-
-
-@dataclass
-class Optimization:
-    """The optimizer and its schedule (`model.optimization`).
-
-    Args:
-        learning_rate: Peak learning rate of the GRPO phase.
-        sft_learning_rate: Peak learning rate of the supervised warm-start phase.
-        weight_decay: AdamW weight decay.
-        warmup_steps: Linear warm-up steps, at the start of each phase.
-        lr_schedule: Schedule of the GRPO phase after warm-up: "cosine" (to 10% at trainer.max_steps) or "constant".
-            The SFT phase always decays by a cosine over the data's `data.sft_steps` (the curriculum schedules the
-            phases: `InterleaveGRPO.phases`).
-        max_grad_norm: Gradient clipping norm; 0 disables.
-        micro_batch_size: Rows per forward in the update and in the supervised steps (the warm start, guidance's
-            term): gradient accumulation inside a step, the same gradient; None = all rows. "auto": at the first GRPO
-            step, the update's forward and backward are timed on that step's rows at one group a forward
-            (`sampling.num_generations` rows), twice that, and so on, and all rows at once; the fastest is kept for
-            the run and said in one line (`InterleaveGRPO.micro_batch_size`). Steps before it take one group.
-    """
-
-    learning_rate: float = 1e-5
-    sft_learning_rate: float = 1e-3
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    lr_schedule: LrSchedule = "cosine"
-    max_grad_norm: float = 1.0
-    micro_batch_size: int | Literal["auto"] | None = None
-
-    def __post_init__(self) -> None:
-        if isinstance(self.micro_batch_size, int) and self.micro_batch_size < 1:
-            raise SettingsError(
-                f"model.optimization.micro_batch_size must be null, auto or >= 1, got {self.micro_batch_size}"
             )
 
 
@@ -443,45 +322,3 @@ class VllmSettings:
     importance_sampling_correction: bool = False
     importance_sampling_cap: float = 2.0
     seed_each_request: bool = False
-
-
-# the groups that always hold a value: the module keeps them in its hparams as plain dicts (the others as given)
-GROUPS: dict[str, type] = {
-    "base": Base,
-    "sampling": Sampling,
-    "loss": Loss,
-    "kl": Kl,
-    "optimization": Optimization,
-    "evaluation": Evaluation,
-}
-
-# the auxiliary terms a run may leave out (null: off); kept in the hparams as plain dicts, or None
-TERMS: dict[str, type] = {
-    "guidance": Guidance,
-}
-
-
-def check_groups(sampling: Sampling, loss: Loss) -> None:
-    """Refuse settings that do not fit together across groups."""
-    if loss.loss_type == "dr_grpo" and (loss.max_completion_length or sampling.max_new_tokens) is None:
-        raise SettingsError(
-            "model.loss.loss_type: dr_grpo needs model.loss.max_completion_length "
-            "(or a fixed model.sampling.max_new_tokens)"
-        )
-
-
-def typed(cls: type, value: Any) -> Any:
-    """Settings as `cls` (a dataclass): a dict, as a loaded checkpoint's hyperparameters hold them, becomes one."""
-    return cls(**value) if isinstance(value, dict) else value
-
-
-def as_group(cls: type, value: Any) -> Any:
-    """A group's settings as a fresh instance of `cls`, from an instance, a dict (a loaded checkpoint) or None."""
-    return cls(**(value if isinstance(value, dict) else field_values(cls, value)))
-
-
-def field_values(cls: type, value: Any) -> dict[str, Any]:
-    """The fields of a group's instance, by name; none for None."""
-    if value is None:
-        return {}
-    return {field.name: getattr(value, field.name) for field in fields(cls)}

@@ -183,7 +183,8 @@ def test_arm_overlays_parse_on_the_base_they_name(overlay, capsys):
     for path, value in _leaves(overlaid):  # the overlay's own values win
         assert _named(_at(printed, path)) == _named(value), f"{overlay.name}: {'.'.join(path)}"
     # the curriculum they make together: per-stage lists as long as the overlay's stages (a fit would refuse them)
-    from interleave_data.curriculum import Curriculum, CurriculumSettings
+    from interleave_data.curriculum import Curriculum
+    from interleave_data.curriculum_types import CurriculumSettings
     from interleave_data.length_schedule import AdaptiveLength
 
     data, settings = printed["data"], dict(printed["data"]["curriculum"])

@@ -1,8 +1,9 @@
 """benchmarks/gpu_check.py: its one-line refusal without a GPU, its phases on a CPU (`--cpu-smoke`), its time guard
-and its bandwidth table."""
+(gpu_phase_process.py), the module its steps build (gpu_step.py) and the bandwidth table (harness.py)."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import subprocess
@@ -20,6 +21,9 @@ sys.path.insert(0, str(SCRIPT.parent))  # as running the script puts its folder 
 spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
 gpu_check = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_check)  # stdlib only at import: what the refusal relies on
+harness, gpu_phase_process, gpu_phases, gpu_step = (
+    importlib.import_module(name) for name in ("harness", "gpu_phase_process", "gpu_phases", "gpu_step")
+)
 
 STEP_KEYS = ("step_s", "rollout_s", "reward_s", "update_s", "generated_tokens", "decode_steps", "tokens_per_s",
              "rollout_tokens_per_s", "weight_bytes", "hbm_bound_share", "peak_gpu_allocated_mb",
@@ -92,7 +96,7 @@ def test_cpu_smoke_writes_every_phase_with_its_trace(tmp_path):
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="SIGALRM: main thread only")
 def test_the_time_guard_stops_a_phase():
     started = time.perf_counter()
-    with pytest.raises(gpu_check.PhaseTimeout, match="time guard of 1 s"), gpu_check.time_guard(1):
+    with pytest.raises(gpu_phase_process.PhaseTimeout, match="time guard of 1 s"), gpu_phase_process.time_guard(1):
         time.sleep(10)
     assert time.perf_counter() - started < 5
 
@@ -104,30 +108,30 @@ def test_the_time_guard_stops_a_phase():
      ("NVIDIA H100 NVL", None), ("NVIDIA GH200 480GB", None), (None, None)],
 )  # fmt: skip
 def test_nominal_bandwidth_by_gpu_name(name, bandwidth):
-    assert gpu_check.nominal_bandwidth(name) == bandwidth
+    assert harness.nominal_bandwidth(name) == bandwidth
 
 
 def test_the_module_is_built_from_every_key_of_the_config():
     """Rewards, dynamic sampling and every group come from the YAML as `cli.py` parses it; a change updates one
     group's keys and keeps the rest."""
-    model = gpu_check.config("smollm2.yaml")["model"] | {
-        "rewards": [{"class_path": "interleave_model.algorithm.rewards.FormatReward", "init_args": {"weight": 0.5}}],
+    model = gpu_step.config("smollm2.yaml")["model"] | {
+        "rewards": [{"class_path": "interleave_model.algorithm.rewards.AlignmentReward", "init_args": {"weight": 0.5}}],
         "dynamic_sampling": {"max_rounds": 1},
     }
     tiny = {"hidden_size": 16, "num_layers": 1, "num_heads": 1, "intermediate_size": 16}
-    module = gpu_check.module_from(
+    module = gpu_step.module_from(
         model, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny, sampling={"num_generations": 2}
     )
-    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("FormatReward", 0.5)]
+    assert [(type(r).__name__, r.weight) for r in module.reward_functions] == [("AlignmentReward", 0.5)]
     assert module.dynamic_sampling.max_rounds == 1 and module.base.disable_dropout
     assert module.sampling.num_generations == 2 and module.sampling.temperature == model["sampling"]["temperature"]
     assert module.hparams.lora.r == model["lora"]["r"] and module.optimization.micro_batch_size == 8
-    nulled = gpu_check.module_from(model | {"sampling": None}, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny,
+    nulled = gpu_step.module_from(model | {"sampling": None}, base={"name_or_path": "tiny", "dtype": None}, tiny=tiny,
                                    sampling={"num_generations": 2})  # fmt: skip
     assert nulled.sampling.num_generations == 2  # a group set to null in the YAML takes the change too
 
 
 def test_every_phase_has_a_budget_and_they_fit_the_check():
-    assert list(gpu_check.BUDGETS) == list(gpu_check.SMOKE_BUDGETS) == list(gpu_check.PHASES)
+    assert list(gpu_check.BUDGETS) == list(gpu_check.SMOKE_BUDGETS) == list(gpu_phases.PHASES)
     assert sum(gpu_check.BUDGETS.values()) <= gpu_check.TOTAL_S
     assert gpu_check.TOTAL_S + gpu_check.GRACE_S <= 600  # under 10 minutes, a last phase's grace included

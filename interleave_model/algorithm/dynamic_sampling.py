@@ -125,6 +125,6 @@ def concat(parts: list[Trajectory], pad_token_id: int) -> Trajectory:
         old_logprobs=right([p.old_logprobs for p in parts], 0.0),
         ref_logprobs=right([p.ref_logprobs for p in parts], 0.0),
         rewards=torch.cat([p.rewards for p in parts]),
-        advantages=torch.cat([p.advantages for p in parts]),
+        advantages=None,  # made for the batch as refilled
         rollout=rollout,
     )

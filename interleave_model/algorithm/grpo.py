@@ -10,13 +10,14 @@ aggregating, and every aggregation here is linear, so the two are the same loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple, get_args
 
 import torch
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import token_logprobs
-from interleave_model.settings import AdvantageEstimator, LossType, ScaleRewards
+from interleave_model.loss_settings import AdvantageEstimator, LossType, ScaleRewards
 
 SCALE_REWARDS = get_args(ScaleRewards)
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)
@@ -87,7 +88,7 @@ def group_advantages(
     scale_rewards: ScaleRewards = "group",
     estimator: str = "grpo",
     eps: float = 1e-4,
-    batch_std: Tensor | float | None = None,
+    sum_over_ranks: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Group-relative advantages: each reward minus a baseline from its own group, optionally scaled.
 
@@ -103,8 +104,9 @@ def group_advantages(
         scale_rewards: ``"group"``, ``"batch"`` or ``"none"``.
         estimator: ``"grpo"`` or ``"rloo"``.
         eps: Added to the std before dividing.
-        batch_std: The std ``"batch"`` divides by; default: that of ``rewards``. Under data parallelism pass the
-            std of every rank's rewards, so that each rank scales as one process holding the whole batch would.
+        sum_over_ranks: The sum of a tensor over every data-parallel rank (the module passes its strategy's
+            reduction): ``"batch"`` then divides by the std of every rank's rewards, as one process holding the whole
+            batch would. None: this process's rewards are the batch.
 
     Returns:
         ``[B*G]`` advantages (float32, or float64 for float64 rewards).
@@ -127,11 +129,18 @@ def group_advantages(
     if scale_rewards == "group":
         advantages = advantages / (grouped.std(dim=1, keepdim=True) + eps)  # [B, G]
     elif scale_rewards == "batch":
-        std = grouped.std() if batch_std is None else torch.as_tensor(batch_std, dtype=grouped.dtype)
-        advantages = advantages / (std + eps)  # [B, G]
+        advantages = advantages / (_batch_std(grouped, sum_over_ranks or (lambda x: x)) + eps)  # [B, G]
     flat = zero_std_groups(rewards, num_generations)[:, None]  # [B, 1]
     advantages = advantages.masked_fill(flat, 0.0)  # [B, G]
     return advantages.reshape(-1)  # [B*G]
+
+
+def _batch_std(grouped: Tensor, sum_over_ranks: Callable[[Tensor], Tensor]) -> Tensor:
+    """The unbiased std (``torch.std``'s) of the rewards of every rank. [B, G] -> scalar."""
+    count = sum_over_ranks(grouped.new_tensor(float(grouped.numel())))
+    mean = sum_over_ranks(grouped.sum()) / count
+    squares = sum_over_ranks((grouped - mean).pow(2).sum())
+    return (squares / (count - 1).clamp(min=1.0)).sqrt()
 
 
 def check_aggregation(

@@ -11,23 +11,6 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from interleave_model.algorithm import grpo
-from interleave_model.settings import AdvantageEstimator
-
-
-def batch_scaled_advantages(
-    rewards: Tensor,
-    num_generations: int,
-    estimator: AdvantageEstimator,
-    sum_over_ranks: Callable[[Tensor], Tensor],
-) -> Tensor:
-    """Advantages [P*G] scaled by the reward std of every rank's batch (`scale_rewards: batch`)."""
-    count = sum_over_ranks(rewards.new_tensor(float(rewards.numel())))
-    mean = sum_over_ranks(rewards.sum()) / count
-    squares = sum_over_ranks((rewards - mean).pow(2).sum())
-    std = (squares / (count - 1).clamp(min=1.0)).sqrt()  # unbiased, as torch.std
-    return grpo.group_advantages(rewards, num_generations, "batch", estimator, batch_std=std)
-
 
 def mean_over_ranks(
     values: dict[str, float], sum_over_ranks: Callable[[Tensor], Tensor], device: torch.device | None = None

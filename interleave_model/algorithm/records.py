@@ -21,7 +21,7 @@ class Trajectory(NamedTuple):
     old_logprobs: Tensor | None  # [P*G, C], None when num_iterations == 1 (then old = current, detached)
     ref_logprobs: Tensor | None  # [P*G, C], None when beta == 0
     rewards: Tensor  # [P*G]
-    advantages: Tensor  # [P*G] one per completion
+    advantages: Tensor | None  # [P*G] one per completion: the step's, made after any refill (None before)
     rollout: Rollout
 
 
@@ -42,8 +42,8 @@ class StepRecord(NamedTuple):
 def trajectory_stats(trajectory: Trajectory, num_generations: int) -> dict[str, float]:
     """What a step logs of its rollout: the rewards and their spread, the completions' lengths.
 
-    The advantages are logged by the update that uses them (`InterleaveGRPO.grpo_step`): dynamic sampling and the
-    batch-wide scaling replace them after this.
+    The advantages are logged by the update that uses them (`InterleaveGRPO.grpo_step`): they are made after any
+    dynamic-sampling refill.
     """
     rewards, roll = trajectory.rewards, trajectory.rollout  # [P*G]
     zero_std = grpo.zero_std_groups(rewards, num_generations)  # [P]

@@ -59,34 +59,6 @@ class AlignmentReward(RewardFunction):
         return score_batch(completions, targets)
 
 
-class FormatReward(RewardFunction):
-    """Penalty in [-1, 0] for rambling: words beyond the target's length, and a missing EOS.
-
-    Args:
-        weight: Multiplies this term in the summed reward.
-        extra_words_penalty: Subtracted in full when the completion is twice the target's length (pro rata below).
-        missing_eos_penalty: Subtracted when the completion ran out of budget without EOS.
-    """
-
-    name = "format"
-
-    def __init__(self, weight: float = 0.1, extra_words_penalty: float = 0.5, missing_eos_penalty: float = 0.5) -> None:
-        super().__init__(weight)
-        self.extra_words_penalty = extra_words_penalty
-        self.missing_eos_penalty = missing_eos_penalty
-
-    def __call__(
-        self, completions: Sequence[str], targets: Sequence[str], truncated: Sequence[bool], **fields: Sequence
-    ) -> list[float]:
-        rewards = []
-        for completion, target, cut in zip(completions, targets, truncated, strict=True):
-            n_target = max(len(target.split()), 1)
-            extra = min(max(len(completion.split()) - n_target, 0) / n_target, 1.0)
-            penalty = self.extra_words_penalty * extra + self.missing_eos_penalty * float(cut)
-            rewards.append(-min(penalty, 1.0))
-        return rewards
-
-
 # the batch's fields a reward is handed by name, one value per completion (the collated batch's keys)
 FIELDS = ("prompts", "a", "b", "n_words", "ids")
 

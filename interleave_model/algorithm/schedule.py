@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import get_args
 
-from interleave_model.settings import LrSchedule
+from interleave_model.loss_settings import LrSchedule
 
 SCHEDULES = get_args(LrSchedule)
 

@@ -13,6 +13,7 @@ they must be whole on every rank (one device, DDP), not shards (FSDP).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -68,3 +69,19 @@ class StepGuard:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
             self.clipped = self.norm > max_norm
         self._dropped = False
+
+    def step(self, optimizer: torch.optim.Optimizer, loss: float, lr: float) -> dict[str, float]:
+        """Set the rate `lr` and step; a non-finite `loss` skips the step (`skip`), as `before_step` skips a
+        non-finite gradient norm. Returns what the step logs: the steps skipped so far, and unless it skipped its
+        rate, whether it was clipped and its gradient norm."""
+        skipped = self.skipped
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        if not math.isfinite(loss):
+            self.skip(optimizer)
+        optimizer.step()  # Lightning's on_before_optimizer_step calls `before_step` inside
+        logged = {"train/skipped_steps": float(self.skipped)}
+        if self.skipped > skipped:
+            return logged
+        logged |= {"train/lr": lr, "train/grad_clipped": float(self.clipped)}
+        return logged if self.norm is None else logged | {"train/grad_norm": self.norm}

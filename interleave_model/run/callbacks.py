@@ -16,7 +16,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from interleave_data.curriculum import Curriculum, Decision, StepCounts
+from interleave_data.curriculum import Curriculum
+from interleave_data.curriculum_types import Decision, StepCounts
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.model.export import export
 from interleave_model.run.runs import run_dir

@@ -7,14 +7,8 @@ at k + 2 (Lightning has fetched k + 1 already).
 import pytest
 
 from interleave_data.corpus import CorpusError
-from interleave_data.curriculum import (
-    Curriculum,
-    CurriculumSettings,
-    Decision,
-    StepCounts,
-    check_lengths,
-    split_stage,
-)
+from interleave_data.curriculum import Curriculum, split_stage
+from interleave_data.curriculum_types import CurriculumSettings, Decision, StepCounts, check_lengths
 from interleave_data.length_schedule import AdaptiveLength
 
 

@@ -251,7 +251,7 @@ def test_too_few_long_held_out_texts_fail_in_prepare_data(tmp_path):
 
 
 def _adaptive(**settings):
-    from interleave_data.curriculum import CurriculumSettings
+    from interleave_data.curriculum_types import CurriculumSettings
     from interleave_data.length_schedule import AdaptiveLength
 
     return CurriculumSettings(adaptive=AdaptiveLength(), **settings)

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import interleave_model.module as module_py
 from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.loss_settings import Optimization
 from interleave_model.module import InterleaveGRPO
 from interleave_model.runtime.fastest import fastest
-from interleave_model.settings import Optimization
 from tests.conftest import fit_one_grpo_step
 
 
@@ -58,7 +57,7 @@ def test_auto_times_each_size_once_at_the_first_grpo_step_and_updates_as_that_si
             assert all(torch.equal(a, b) for a, b in zip(before, module.policy.parameters(), strict=True))
         return chosen, {option: 1.0 for option in options}
 
-    monkeypatch.setattr(module_py, "fastest", rigged)
+    monkeypatch.setattr("interleave_model.runtime.fastest.fastest", rigged)
     module = _module(make_module, "auto")
     assert module.micro_batch_size == 2  # one group a forward until it is measured
     with caplog.at_level("INFO"):

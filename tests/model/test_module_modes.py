@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import interleave_model.algorithm.completions as completions_py
+import interleave_model.algorithm.update as update_py
 import interleave_model.generation.sampler as sampler_py
-import interleave_model.module as module_py
 from interleave_model.algorithm import grpo
 from interleave_model.model.policy import LoraSettings, frozen_copy
 from interleave_model.module import InterleaveGRPO
@@ -47,7 +47,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
     if lora is None:
         module.reference = frozen_copy(module.policy)  # as a resumed run has it, in eval mode
     modes = {"rollout": [], "reference": [], "update": []}
-    rollout, logprobs = sampler_py.rollout, module_py.completion_logprobs
+    rollout, logprobs = sampler_py.rollout, update_py.completion_logprobs
 
     def recording_rollout(model, *args, **kwargs):
         modes["rollout"].append(model.training)
@@ -58,7 +58,7 @@ def test_updates_run_in_train_mode_sampling_and_the_reference_in_eval_mode(
         return logprobs(model, *args, **kwargs)
 
     monkeypatch.setattr(sampler_py, "rollout", recording_rollout)
-    monkeypatch.setattr(module_py, "completion_logprobs", recording_logprobs)  # the update
+    monkeypatch.setattr(update_py, "completion_logprobs", recording_logprobs)  # the update
     monkeypatch.setattr(completions_py, "completion_logprobs", recording_logprobs)  # the reference (and old log-probs)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -50,10 +50,13 @@ def test_advantages_batch_scaling_uses_std_of_whole_batch():
     torch.testing.assert_close(adv, torch.tensor([half_root7, -half_root7, -half_root7, half_root7, 0, 0, 0, 0]))
 
 
-def test_advantages_batch_scaling_takes_the_std_of_all_ranks_when_given():
-    # the std of every rank's rewards, say 0.25: group 0 gives 0.5 / 0.25 = 2; group 1 stays exactly 0
-    adv = group_advantages(REWARDS, num_generations=4, scale_rewards="batch", eps=0.0, batch_std=torch.tensor(0.25))
-    torch.testing.assert_close(adv, torch.tensor([2.0, -2.0, -2.0, 2.0, 0, 0, 0, 0]))
+def test_advantages_batch_scaling_takes_the_std_of_all_ranks():
+    # a second rank holding the same rewards: mean 0.5, squared deviations 2 * 1 = 2 over 16 rewards, unbiased
+    # var 2/15; 0.5 / sqrt(2/15) = 1.3693 (one rank: sqrt(7)/2 = 1.3229); group 1 stays exactly 0
+    two_ranks = lambda x: 2 * x  # noqa: E731
+    adv = group_advantages(REWARDS, num_generations=4, scale_rewards="batch", eps=0.0, sum_over_ranks=two_ranks)
+    a = 0.5 / math.sqrt(2 / 15)
+    torch.testing.assert_close(adv, torch.tensor([a, -a, -a, a, 0, 0, 0, 0]))
 
 
 def test_rloo_leaves_each_completion_out_of_its_baseline():

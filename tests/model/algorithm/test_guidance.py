@@ -1,22 +1,12 @@
-"""Reference guidance (CHORD-mu): the weight's schedule, and that its cross-entropy alone moves the policy when the
-group has nothing to teach."""
+"""Reference guidance (CHORD-mu): its cross-entropy alone moves the policy when the group has nothing to teach."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from interleave_model.algorithm.guidance import guidance_weight
 from interleave_model.algorithm.rewards import RewardFunction
 from tests.conftest import fit_one_grpo_step
-
-
-def test_the_weight_falls_by_a_cosine_from_start_to_final_then_stays():
-    assert guidance_weight(0, 0.5, 0.1, 10) == 0.5
-    assert guidance_weight(5, 0.5, 0.1, 10) == pytest.approx(0.3)  # half-way: the mean of the two
-    assert guidance_weight(10, 0.5, 0.1, 10) == pytest.approx(0.1)
-    assert guidance_weight(99, 0.5, 0.1, 10) == pytest.approx(0.1)
-    assert guidance_weight(99, 0.5, 0.1, 0) == 0.5  # no decay
 
 
 class Same(RewardFunction):
@@ -45,9 +35,9 @@ def test_only_the_guidance_moves_the_policy_when_every_answer_scores_alike(make_
         assert logged["train/guidance"].item() == 0.5 and logged["train/guidance_loss"].item() > 0
 
 
-@pytest.mark.parametrize("settings", [{"weight": 1.5}, {"weight": 0.0}, {"final": 1.5}, {"decay_steps": -1}])
+@pytest.mark.parametrize("settings", [{"weight": 1.5}, {"weight": 0.0}])
 def test_a_setting_out_of_range_is_refused_naming_the_key(settings):
-    from interleave_model.settings import Guidance
+    from interleave_model.loss_settings import Guidance
 
     (name,) = settings
     with pytest.raises(ValueError, match=f"model.guidance.{name} must be"):

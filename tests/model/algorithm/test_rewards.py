@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from interleave_model.algorithm.rewards import AlignmentReward, FormatReward, RewardFunction, combine
+from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction, combine
 
 
 class Constant(RewardFunction):
@@ -28,12 +28,20 @@ def test_functions_sharing_a_name_all_count_and_are_all_logged():
     assert terms == {"constant": [0.25, 0.25], "constant_2": [0.5, 0.5], "constant_3": [1.0, 1.0]}
 
 
-def test_alignment_and_format_are_weighted_and_summed():
-    # "a b c" vs target "a b": alignment 1 - 1 edit / 3 words = 2/3; format: 1 extra word over a 2-word target
-    # -> 0.5 * (1/2) = 0.25 penalty, truncated adds 0.5 -> -0.75; total = 2/3 + 0.1 * -0.75 = 0.59167
-    total, terms = combine([AlignmentReward(), FormatReward()], ["a b c"], ["a b"], [True])
-    assert terms["format"] == [-0.75]
-    assert total == pytest.approx([2 / 3 - 0.075])
+class Cut(RewardFunction):
+    """-1 for an answer that ran out of its budget."""
+
+    name = "cut"
+
+    def __call__(self, completions, targets, truncated):
+        return [-float(cut) for cut in truncated]
+
+
+def test_alignment_and_another_term_are_weighted_and_summed():
+    # "a b c" vs target "a b": alignment 1 - 1 edit / 3 words = 2/3; truncated: -1 at weight 0.1
+    total, terms = combine([AlignmentReward(), Cut(weight=0.1)], ["a b c"], ["a b"], [True])
+    assert terms["cut"] == [-1.0]
+    assert total == pytest.approx([2 / 3 - 0.1])
 
 
 def test_a_function_returning_the_wrong_count_is_refused():
@@ -77,5 +85,5 @@ def test_a_reward_naming_some_fields_gets_those_alone():
 
 def test_a_three_argument_reward_and_the_shipped_ones_score_alike_with_fields():
     completions, targets, cut = ["x 1 y 2", "u"], ["x 1 y 2", "u 3 v 4"], [False, True]
-    functions = [Constant(0.5), AlignmentReward(), FormatReward()]  # Constant takes 3 arguments
+    functions = [Constant(0.5), AlignmentReward(), Cut()]  # Constant and Cut take 3 arguments
     assert combine(functions, completions, targets, cut, **FIELDS) == combine(functions, completions, targets, cut)

@@ -17,7 +17,8 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from interleave_data.curriculum import Curriculum, CurriculumSettings
+from interleave_data.curriculum import Curriculum
+from interleave_data.curriculum_types import CurriculumSettings
 from interleave_model.algorithm.dynamic_sampling import DynamicSampling, concat, refill, select_groups
 from interleave_model.algorithm.records import StepRecord, Trajectory
 from interleave_model.algorithm.rewards import RewardFunction
@@ -267,7 +268,7 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
 
 
 def test_a_resume_samples_at_the_raised_temperature_unless_the_command_asks_for_another():
-    from interleave_model.module import resumed_temperature
+    from interleave_model.legacy import resumed_temperature
 
     hparams = {"sampling": {"temperature": 1.0, "num_generations": 2}}
     saved = {"temperature": 1.25, "hyper_parameters": hparams}  # a curriculum raised it from the configured 1.0
