@@ -16,6 +16,8 @@ implement (soft-capping, sinks) go to transformers' SDPA as before.
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from collections.abc import Callable
 from functools import partial
 
@@ -27,11 +29,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import is_peft
-from interleave_model.runtime.fastest import fastest
+from interleave_model.runtime.compat import can_prepack, prepack_linear_weight, prepacked_linear
+from interleave_model.runtime.fastest import agreed, timed
 
 GROUPED_DECODE = "grouped_decode"  # the attention implementation the copy runs under (masks built as for SDPA)
 DECODE_BLOCK = 16  # the most new positions a row that a step attends by `grouped_decode_attention` (more: SDPA)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PREPACKED = "prepacked"  # bfloat16, each decoder linear layer's weight in oneDNN's blocked layout (CPU)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, PREPACKED: torch.bfloat16}
 
 
 def grouped_decode_attention(
@@ -132,30 +136,77 @@ class MergedCopy:
 
     Args:
         policy: The policy, LoRA-wrapped (peft) or not.
-        dtype: "float32" or "bfloat16".
+        dtype: "float32", "bfloat16", or "prepacked": bfloat16 with every decoder linear layer's weight reordered into
+            oneDNN's blocked layout for `rows` rows a call (what inductor's CPU weight prepacking emits), so that no
+            decode step reorders it again. The pack is redone at each refresh, since the weights change every step
+            (`refresh_s` counts it); the plain bfloat16 weights of those layers are freed. Where oneDNN has no bf16
+            (`compat.can_prepack`), or where the model has no linear layer to pack, "prepacked" is the plain
+            "bfloat16" copy, and says so in `dtype`.
+        rows: Rows a decode step runs (the rollout's prompts x G), the packed layout's size hint.
+
+    Attributes:
+        refresh_s: Seconds of the last refresh that changed the weights (merge, cast and any pack).
     """
 
-    def __init__(self, policy: torch.nn.Module, dtype: str) -> None:
+    def __init__(self, policy: torch.nn.Module, dtype: str, rows: int = 1) -> None:
         with torch.no_grad():
             model = copy.deepcopy(policy)
             model = model.merge_and_unload() if is_peft(model) else model
         self.model = model.to(DTYPES[dtype]).eval().requires_grad_(False)
-        self.dtype = dtype
+        device = next(self.model.parameters()).device
+        self.dtype = dtype if dtype != PREPACKED or can_prepack(device) else "bfloat16"
         try:
             self.model.set_attn_implementation(GROUPED_DECODE)
         except ValueError:  # an architecture transformers does not run with custom attention keeps its own
             pass
         self.version: object = None  # the policy's weights the copy holds (the module's global step)
+        self.refresh_s = 0.0
         self._sources = _sources(policy, self.model)
+        self._packed = _prepack(self.model, rows) if self.dtype == PREPACKED else {}
+        if self.dtype == PREPACKED and not self._packed:  # no linear layer to pack (GPT-2's are Conv1D)
+            self.dtype = "bfloat16"
 
     @torch.no_grad()
     def refresh(self, version: object) -> torch.nn.Module:
-        """The copy, holding the policy's weights of `version` (merged and cast again only when it changed)."""
+        """The copy, holding the policy's weights of `version` (merged, cast and packed again only when it changed)."""
         if version != self.version or version is None:
+            began = time.perf_counter()
             for target, weight in self._sources:
-                target.copy_(weight())
-            self.version = version
+                packed = self._packed.get(target)
+                if packed is None:
+                    target.copy_(weight())
+                else:
+                    packed.pack(weight().to(torch.bfloat16))
+            self.version, self.refresh_s = version, time.perf_counter() - began
         return self.model
+
+
+class PackedLinear:
+    """A linear layer's call on its weight in oneDNN's blocked layout (`compat.prepacked_linear`); it stands in for
+    the layer's `forward`, so the layer keeps its place, its hooks and its bias."""
+
+    def __init__(self, layer: torch.nn.Linear, rows: int) -> None:
+        self.layer, self.rows = layer, rows
+        self.pack(layer.weight)
+        layer.weight.data = torch.empty(0, dtype=layer.weight.dtype, device=layer.weight.device)  # freed
+
+    def pack(self, weight: Tensor) -> None:
+        self.weight = prepack_linear_weight(weight, self.rows)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return prepacked_linear(x, self.weight, self.layer.bias)
+
+
+def _prepack(model: torch.nn.Module, rows: int) -> dict[Tensor, PackedLinear]:
+    """Every linear layer of `model` but the output head (which may share the embeddings' weight) run from a packed
+    weight, in place; each by its weight parameter, which refreshes pack instead of copying into."""
+    head = model.get_output_embeddings()
+    packed = {}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module is not head:
+            weight = module.weight
+            module.forward = packed[weight] = PackedLinear(module, rows)
+    return packed
 
 
 def _sources(policy: torch.nn.Module, merged: torch.nn.Module) -> list[tuple[Tensor, Callable[[], Tensor]]]:
@@ -187,12 +238,26 @@ def _merged_weight(layer) -> Tensor:
 
 
 def fastest_copy(
-    policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], repeats: int = 2
-) -> tuple[MergedCopy, dict[str, float]]:
-    """The merged copy, float32 or bfloat16, whose `draw` (a short rollout) takes the least wall time on this
-    machine, and each dtype's seconds (`runtime.fastest.fastest`: the same dtype on every rank)."""
-    copies = {dtype: MergedCopy(policy, dtype) for dtype in DTYPES}
-    models = {dtype: merged.refresh(None) for dtype, merged in copies.items()}
+    policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], rows: int = 1, repeats: int = 5
+) -> tuple[MergedCopy, dict[str, float], float]:
+    """The merged copy, float32, bfloat16 or (where oneDNN has bf16) prepacked, whose `draw` (a short rollout) takes
+    the least wall time here; each choice's seconds, the median of `repeats` draws after a warm-up, the same on every
+    rank (`fastest.agreed`); and the host's spread, the largest (slowest - fastest) / median of one choice's draws.
+    Two choices closer than the spread are a tie by measurement, whichever is kept. The copies are built one at a
+    time and only the fastest so far is kept, so at most two are held at once."""
     device = next(policy.parameters()).device
-    chosen, seconds = fastest({dtype: partial(draw, model) for dtype, model in models.items()}, repeats, device)
-    return copies[chosen], seconds
+    choices = [dtype for dtype in DTYPES if dtype != PREPACKED or can_prepack(device)]
+    best, seconds, spread = None, {}, 0.0
+    for dtype in choices:
+        merged = MergedCopy(policy, dtype, rows)
+        if merged.dtype in seconds:  # "prepacked" with nothing to pack: the bfloat16 copy again
+            continue
+        times = timed(partial(draw, merged.refresh(None)), repeats + 1)
+        seconds[merged.dtype] = statistics.median(times)
+        spread = max(spread, (max(times) - min(times)) / seconds[merged.dtype])
+        if best is None or seconds[merged.dtype] < seconds[best.dtype]:
+            best = merged
+        del merged
+    seconds = agreed(seconds, device)
+    chosen = min(seconds, key=seconds.get)
+    return (best if best.dtype == chosen else MergedCopy(policy, chosen, rows)), seconds, spread

@@ -105,10 +105,11 @@ class Sampler:
         return roll
 
     def _merged_copy(self, batch: dict, kwargs: dict) -> MergedCopy:
-        """The configured merged copy; with "auto", the dtype whose short rollout of this batch's first prompt runs
-        faster here (`fastest_copy`), said in one line."""
+        """The configured merged copy; with "auto", the choice whose short rollout of this batch's first prompt runs
+        fastest here (`fastest_copy`), said in one line with every choice's time and the host's spread."""
+        rows = batch["prompt_ids"].shape[0] * kwargs["num_generations"]  # a decode step's rows, the pack's hint
         if self.sampling.merged_copy != "auto":
-            return MergedCopy(self.policy, self.sampling.merged_copy)
+            return MergedCopy(self.policy, self.sampling.merged_copy, rows)
         probe = kwargs | {
             "max_new_tokens": min(kwargs["max_new_tokens"], AUTO_PROBE_TOKENS),
             "generator": torch.Generator().manual_seed(0),
@@ -118,10 +119,11 @@ class Sampler:
         def draw(model):
             return rollout(model, self.tokenizer, ids, mask, self.stop_ids, **probe, with_logprobs=True)
 
-        chosen, seconds = fastest_copy(self.policy, draw)
+        chosen, seconds, spread = fastest_copy(self.policy, draw, rows)
         timed = ", ".join(f"{dtype} {s:.3f} s" for dtype, s in seconds.items())
-        rank_zero_info(f"model.sampling.merged_copy: auto samples from the {chosen.dtype} copy, the "
-                       f"faster here ({timed} for {probe['max_new_tokens']} tokens of one group)")  # fmt: skip
+        rank_zero_info(f"model.sampling.merged_copy: auto samples from the {chosen.dtype} copy, the fastest here "
+                       f"(median of 5: {timed} for {probe['max_new_tokens']} tokens of one group; the draws of one "
+                       f"choice spread {spread:.0%})")  # fmt: skip
         return chosen
 
     def budget(self, target_ids: list[list[int]]) -> int:

@@ -117,6 +117,25 @@ def cpu_has_bf16() -> bool:
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
+def can_prepack(device: torch.device) -> bool:
+    """Whether oneDNN runs bfloat16 linear layers from prepacked weights here (`prepack_linear_weight`): a CPU whose
+    oneDNN has bf16 kernels (torch 2.13's `torch.ops.mkldnn._is_mkldnn_bf16_supported`)."""
+    on_cpu = device.type == "cpu" and torch.backends.mkldnn.is_available()
+    return on_cpu and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def prepack_linear_weight(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A bfloat16 linear weight [out, in] reordered into oneDNN's blocked layout for about `rows` rows a call, what
+    inductor's CPU weight prepacking emits (`torch.ops.mkldnn._reorder_linear_weight`, torch 2.13)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+
+
+def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` with a weight from `prepack_linear_weight` (`torch.ops.mkldnn._linear_pointwise`,
+    torch 2.13)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def shutdown_vllm(llm: Any) -> None:
     """Shut a `vllm.LLM` down now, not when it is garbage-collected: `LLM` has no public way to (vllm 0.32), so this
     calls its engine core's `shutdown` (`LLM.llm_engine.engine_core`, the v1 engine's client)."""

@@ -65,7 +65,7 @@ def settle(config, subcommand: str) -> None:
              "this one has none, so the run uses 32-true")  # fmt: skip
         trainer.precision = "32-true"
     sampling = getattr(model, "sampling", None)
-    if on_cpu and getattr(sampling, "merged_copy", None) in ("bfloat16", "auto") and not cpu_has_bf16():
+    if on_cpu and getattr(sampling, "merged_copy", None) in ("bfloat16", "prepacked", "auto") and not cpu_has_bf16():
         warn(f"model.sampling.merged_copy: {sampling.merged_copy} would try bfloat16, which needs a CPU with bf16 "
              "instructions (AVX512-BF16 or AMX); this one has none, so the copy is float32")  # fmt: skip
         sampling.merged_copy = "float32"

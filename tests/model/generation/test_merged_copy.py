@@ -3,16 +3,20 @@ one-query attention equal to SDPA's, and its samples' log-probs recorded and cor
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from interleave_model.algorithm.completions import completion_logprobs
-from interleave_model.generation.merged_copy import MergedCopy, fastest_copy, grouped_decode_attention
+from interleave_model.generation.merged_copy import MergedCopy, PackedLinear, fastest_copy, grouped_decode_attention
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
+from interleave_model.runtime.compat import can_prepack
 from interleave_model.settings import LoraSettings, Sampling, SettingsError
 
 
@@ -20,7 +24,17 @@ from interleave_model.settings import LoraSettings, Sampling, SettingsError
 def lora_policy(request, family_folders):
     """A real-family folder loaded from disk (GQA in the Llama-3 one, Conv1D layers in GPT-2's) with a LoRA adapter
     whose B is not zero (as after training)."""
-    model, tok = load_pretrained(str(family_folders[request.param]), dtype="float32")
+    return _lora_policy(family_folders[request.param])
+
+
+@pytest.fixture
+def llama_policy(family_folders):
+    """`lora_policy` of the Llama-3 folder only: for what does not depend on the family."""
+    return _lora_policy(family_folders["llama3"])
+
+
+def _lora_policy(folder):
+    model, tok = load_pretrained(str(folder), dtype="float32")
     with torch.no_grad():  # the fixtures' random logits are peaked (log-probs 0.0): spread them to be sampled
         final_norm = model.transformer.ln_f if hasattr(model, "transformer") else model.model.norm  # GPT-2 / others
         final_norm.weight.mul_(0.05)
@@ -159,22 +173,84 @@ def test_the_training_rollout_samples_from_the_copy_and_the_update_corrects_it(m
     assert not any(name.startswith("sampler") for name in module.state_dict())  # the copy is never saved
 
 
-@pytest.mark.parametrize("slow", ["float32", "bfloat16"])
-def test_the_fastest_copy_is_the_dtype_whose_rollout_took_least(lora_policy, monkeypatch, slow):
-    policy, _, _ = lora_policy
-    now = [0.0]  # a clock that only the draws move: the slow dtype's draw takes 5 s, the other's 1 s
+def _kind(model) -> str:
+    """Which copy a model is: "prepacked" where its linear layers run packed, else its dtype."""
+    if any(isinstance(m.__dict__.get("forward"), PackedLinear) for m in model.modules()):
+        return "prepacked"
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+@pytest.mark.parametrize("fast", ["float32", "bfloat16", "prepacked"])
+def test_the_fastest_copy_is_the_choice_whose_median_draw_took_least(llama_policy, monkeypatch, fast, prepack):
+    """Five timed draws a choice after a warm-up, their median; prepacked only where oneDNN has bf16; at most two
+    copies alive at once."""
+    policy, _, _ = llama_policy
+    monkeypatch.setattr("interleave_model.generation.merged_copy.can_prepack", lambda device: prepack)
+    # a pack that any CPU runs: the test is about the choice, not oneDNN
+    monkeypatch.setattr("interleave_model.generation.merged_copy.prepack_linear_weight", lambda w, rows: w.clone())
+    monkeypatch.setattr("interleave_model.generation.merged_copy.prepacked_linear", F.linear)
+    now, drawn, alive = [0.0], [], weakref.WeakSet()
     monkeypatch.setattr("interleave_model.runtime.fastest.time.perf_counter", lambda: now[0])
-    drawn = []
+    built = MergedCopy.__init__
+
+    def init(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        alive.add(self)
+
+    monkeypatch.setattr(MergedCopy, "__init__", init)
+    base = {"float32": 3.0, "bfloat16": 2.0, "prepacked": 2.5} | {fast: 1.0}
+    if fast == "prepacked" and not prepack:
+        base["bfloat16"] = 1.0  # without prepacking the plain bfloat16 copy is the fastest left
 
     def draw(model):
-        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-        drawn.append(dtype)
-        now[0] += 5.0 if dtype == slow else 1.0
+        kind = _kind(model)
+        drawn.append(kind)
+        gc.collect()
+        assert len(alive) <= 2
+        now[0] += base[kind] * (1.0 + 0.1 * (drawn.count(kind) % 2))  # the draws of a choice spread 10%
 
-    chosen, seconds = fastest_copy(policy, draw)
-    fast = ({"float32", "bfloat16"} - {slow}).pop()
-    assert chosen.dtype == fast and str(next(chosen.model.parameters()).dtype) == f"torch.{fast}"
-    assert seconds == {slow: 5.0, fast: 1.0} and sorted(drawn) == sorted([slow, slow, fast, fast])
+    chosen, seconds, spread = fastest_copy(policy, draw, rows=6)
+    choices = ["float32", "bfloat16", "prepacked"] if prepack else ["float32", "bfloat16"]
+    expected = fast if fast in choices else "bfloat16"
+    assert chosen.dtype == expected and _kind(chosen.model) == expected
+    assert set(seconds) == set(choices) and sorted(drawn) == sorted(c for c in choices for _ in range(6))
+    assert seconds[expected] == min(seconds.values()) and 0.09 < spread < 0.11
+
+
+@pytest.mark.skipif(not can_prepack(torch.device("cpu")), reason="this CPU's oneDNN has no bf16 kernels")
+def test_the_prepacked_copy_samples_what_the_bfloat16_copy_samples_and_follows_updates(lora_policy):
+    policy, tok, prompts = lora_policy
+    plain, packed = MergedCopy(policy, "bfloat16", rows=6), MergedCopy(policy, "prepacked", rows=6)
+    conv1d = "gpt2" in type(policy.get_base_model()).__name__.lower()  # GPT-2: Conv1D layers, nothing to pack
+    assert packed.dtype == ("bfloat16" if conv1d else "prepacked")
+    kwargs = {"num_generations": 3, "max_new_tokens": 12, "stop_ids": stop_token_ids(policy, tok),
+              "pad_token_id": tok.pad_token_id or 0, "temperature": 0.8, "with_logprobs": True}  # fmt: skip
+    for version in (0, 1):
+        drawn = [sample(copy.refresh(version), prompts.input_ids, prompts.attention_mask, **kwargs,
+                        generator=torch.Generator().manual_seed(0)) for copy in (plain, packed)]  # fmt: skip
+        (ids, mask, _, logprobs), (packed_ids, packed_mask, _, packed_logprobs) = drawn
+        assert torch.equal(packed_ids, ids) and torch.equal(packed_mask, mask)
+        torch.testing.assert_close(packed_logprobs, logprobs, atol=0, rtol=0)
+        assert packed.refresh_s > 0
+        with torch.no_grad():  # an update moves the adapter: version 1 is merged and packed again
+            for name, parameter in policy.named_parameters():
+                if "lora_A" in name:
+                    parameter.add_(0.1)
+    if _kind(packed.model) == "prepacked":  # the packed layers' plain weights are freed
+        head = packed.model.get_output_embeddings()
+        linears = [m for m in packed.model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+        assert linears and all(m.weight.numel() == 0 for m in linears)
+
+
+def test_where_onednn_has_no_bf16_the_prepacked_copy_is_the_bfloat16_one(lora_policy, monkeypatch):
+    policy, _, prompts = lora_policy
+    monkeypatch.setattr("interleave_model.generation.merged_copy.can_prepack", lambda device: False)
+    copy = MergedCopy(policy, "prepacked", rows=6)
+    model = copy.refresh(0)
+    assert copy.dtype == "bfloat16" and _kind(model) == "bfloat16"
+    expected = MergedCopy(policy, "bfloat16").refresh(0)
+    torch.testing.assert_close(_prompt_logprobs(model, prompts), _prompt_logprobs(expected, prompts), atol=0, rtol=0)
 
 
 def test_auto_picks_a_copy_once_on_the_first_training_rollout_and_says_so(make_module, make_datamodule, caplog):
@@ -187,13 +263,14 @@ def test_auto_picks_a_copy_once_on_the_first_training_rollout_and_says_so(make_m
     with caplog.at_level("INFO"):
         fit_one_grpo_step(module, make_datamodule, batch_size=2)
     chosen = module.sampler.copy
-    assert chosen is not None and chosen.dtype in ("float32", "bfloat16") and chosen.version == 0
+    assert chosen is not None and chosen.dtype in ("float32", "bfloat16", "prepacked") and chosen.version == 0
     said = [r.getMessage() for r in caplog.records if "merged_copy: auto" in r.getMessage()]
     assert len(said) == 1 and f"from the {chosen.dtype} copy" in said[0] and "float32 " in said[0]
 
 
 def test_merged_copy_settings_are_checked():
     assert Sampling(merged_copy="auto").merged_copy == "auto"
+    assert Sampling(merged_copy="prepacked").merged_copy == "prepacked"
     with pytest.raises(SettingsError, match="model.sampling.merged_copy"):
         Sampling(merged_copy="float16")
     with pytest.raises(SettingsError, match="model.sampling.importance_sampling_cap"):
