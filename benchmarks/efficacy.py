@@ -133,7 +133,7 @@ TRAINING_ONLY = {
     "model": ("optimization", "loss", "kl"),
     "data": ("replay_fraction",),
     "data.curriculum": ("patience", "min_steps", "window", "val_threshold", "stop_when_done", "on_collapse"),
-    "data.curriculum.adaptive": ("target", "step", "sensitivity", "replay_spread"),
+    "data.curriculum.adaptive": ("target", "step"),
 }
 
 

@@ -24,7 +24,7 @@ from interleave_data.curriculum_types import (
     check_lengths,
     per_stage,
 )
-from interleave_data.length_schedule import next_level, replay_range, words_of
+from interleave_data.length_schedule import REPLAY_SPREAD, next_level, replay_range, words_of
 
 
 class Curriculum:
@@ -133,11 +133,11 @@ class Curriculum:
 
     def replay_lengths(self) -> Sequence[int]:
         """The lengths replayed beside the drawn one: the earlier stages, or under the adaptive schedule the lengths
-        just under it (`AdaptiveLength.replay_spread`)."""
+        just under it (`length_schedule.REPLAY_SPREAD`)."""
         state = self.state
         if state.drawn_words is None:
             return self.stages[: state.drawn_index]
-        return replay_range(state.drawn_words, self.stages[0], self.adaptive.replay_spread)
+        return replay_range(state.drawn_words, self.stages[0], REPLAY_SPREAD)
 
     def replayed(self, batch_size: int) -> int:
         """Prompts of a GRPO batch drawn at replayed lengths; at least one stays at the drawn length, whatever the

@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 from interleave_data.corpus import CorpusError
 
+SENSITIVITY = 2.0  # AdaRFT's alpha: a rate 0.5 away from the target gives tanh(1) = 0.76 of a full step
+REPLAY_SPREAD = 0.5  # replayed rows at lengths in [length / 2, length)
+
 
 @dataclass(frozen=True)
 class AdaptiveLength:
@@ -27,38 +30,33 @@ class AdaptiveLength:
             here (docs/RESULTS.md, "Tried and dropped").
         step: The largest change of the length's logarithm per batch (AdaRFT's eta): 0.05 is at most about 4% of
             the length per batch after the tanh.
-        sensitivity: AdaRFT's alpha in `tanh(alpha * (rate - target))`: how soon a rate away from the target gives a
-            full step.
-        replay_spread: Replayed rows (`data.replay_fraction`) take lengths drawn uniformly from
-            `[length * (1 - replay_spread), length)`, never under the first length: the lengths climbed most lately.
+
+    AdaRFT's alpha in `tanh(alpha * (rate - target))` is `SENSITIVITY`, and replayed rows (`data.replay_fraction`) take
+    lengths drawn uniformly from `[length * (1 - REPLAY_SPREAD), length)`, never under the first length: the lengths
+    climbed most lately. Neither was ever varied here, so neither is a setting.
     """
 
     success: float = 0.9
     target: float = 0.5
     step: float = 0.05
-    sensitivity: float = 2.0
-    replay_spread: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 < self.success <= 1.0 or not 0.0 < self.target < 1.0:
             raise CorpusError(
                 f"curriculum.adaptive: need 0 < success <= 1 and 0 < target < 1, got {self.success}, {self.target}"
             )
-        if self.step <= 0 or self.sensitivity <= 0 or not 0.0 < self.replay_spread <= 1.0:
-            raise CorpusError(
-                "curriculum.adaptive: need step > 0, sensitivity > 0 and 0 < replay_spread <= 1, got "
-                f"{self.step}, {self.sensitivity}, {self.replay_spread}"
-            )
+        if self.step <= 0:
+            raise CorpusError(f"curriculum.adaptive: need step > 0, got {self.step}")
 
 
 def next_level(level: float, rate: float, settings: AdaptiveLength, low: int, high: int) -> float:
     """The continuous length after a batch whose samples succeed at `rate`, clipped to `[low, high]`.
 
-    `log level' = log level + step * tanh(sensitivity * (rate - target))`. For example at 20 words with step 0.05,
-    sensitivity 2, target 0.5: rate 1.0 gives 20 * exp(0.05 * tanh(1)) = 20.78, rate 0.5 stays at 20, rate 0
+    `log level' = log level + step * tanh(SENSITIVITY * (rate - target))`. For example at 20 words with step 0.05,
+    target 0.5: rate 1.0 gives 20 * exp(0.05 * tanh(1)) = 20.78, rate 0.5 stays at 20, rate 0
     gives 19.25.
     """
-    moved = level * math.exp(settings.step * math.tanh(settings.sensitivity * (rate - settings.target)))
+    moved = level * math.exp(settings.step * math.tanh(SENSITIVITY * (rate - settings.target)))
     return min(max(moved, float(low)), float(high))
 
 

@@ -213,7 +213,7 @@ def test_split_stage_inserts_the_whole_length_halfway_to_the_stage_before(stages
 
 
 def test_under_the_adaptive_schedule_a_longer_length_is_a_gain_and_each_milestone_counts_afresh():
-    rule = AdaptiveLength(success=0.9, target=0.5, step=0.05, sensitivity=2.0)
+    rule = AdaptiveLength(success=0.9, target=0.5, step=0.05)
     settings = CurriculumSettings(window=1, adaptive=rule, plateau_steps=2)
     curriculum = Curriculum((10, 25, 50), settings=settings)
 

@@ -12,7 +12,7 @@ from interleave_data.curriculum import Curriculum
 from interleave_data.curriculum_types import CurriculumSettings, StepCounts
 from interleave_data.length_schedule import AdaptiveLength, next_level, replay_range, words_of
 
-RULE = AdaptiveLength(success=0.9, target=0.5, step=0.05, sensitivity=2.0)
+RULE = AdaptiveLength(success=0.9, target=0.5, step=0.05)
 
 
 def test_next_level_is_adarft_on_the_log_length():
@@ -35,8 +35,6 @@ def test_words_round_half_up_and_replay_spans_the_lengths_below():
         {"success": 0.0},
         {"target": 1.0},
         {"step": 0.0},
-        {"sensitivity": -1.0},
-        {"replay_spread": 1.5},
     ],
 )
 def test_bad_settings_are_refused_by_name(settings):
@@ -81,7 +79,7 @@ def test_the_length_climbs_while_samples_succeed_and_falls_when_they_fail():
 def test_partial_credit_without_a_success_holds_the_length():
     """Samples scoring 0.8 on average, none of them 0.9: the success share (0) holds the length at the first milestone
     (AdaRFT's mean reward would have climbed, onto answers worth half: RESULTS, "Tried and dropped")."""
-    rule = AdaptiveLength(success=0.9, target=0.5, step=0.05, sensitivity=2.0)
+    rule = AdaptiveLength(success=0.9, target=0.5, step=0.05)
     curriculum = Curriculum((10, 25), settings=CurriculumSettings(window=4, adaptive=rule))
     for k in range(10):
         curriculum.observe(StepCounts(0.8, 0.0, 0.0, 1.0, 1.0, batch=k, next_batch=k + 2, global_step=k + 1,
