@@ -168,6 +168,8 @@ def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted,
     assert "model.optimization.sft_steps is no longer a setting, ignored" in caplog.text
     assert "model.loss.credit is no longer a setting, ignored (per-word credit had no finding" in caplog.text
     assert loaded.guidance.weight == 0.5 and "model.guidance.loss is no longer a setting, ignored" in caplog.text
+    assert "model.guidance.final is no longer a setting, ignored (mu's decay" in caplog.text
+    assert "model.guidance.decay_steps is no longer a setting, ignored" in caplog.text
     assert "model.reference_in_group is no longer a setting, ignored" in caplog.text
     assert (tmp_path / "hf" / "config.json").exists()
 
