@@ -1,6 +1,6 @@
 """Statistics over every DDP rank's batch, as one process holding them all would compute them.
 
-Each function takes `sum_over_ranks`, the sum of a tensor over all ranks (the tensor itself on one process): the
+`mean_over_ranks` takes `sum_over_ranks`, the sum of a tensor over all ranks (the tensor itself on one process): the
 module passes its strategy's reduction, a test can pass any function.
 """
 

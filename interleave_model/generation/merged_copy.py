@@ -204,8 +204,7 @@ def _prepack(model: torch.nn.Module, rows: int) -> dict[Tensor, PackedLinear]:
     packed = {}
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module is not head:
-            weight = module.weight
-            module.forward = packed[weight] = PackedLinear(module, rows)
+            module.forward = packed[module.weight] = PackedLinear(module, rows)
     return packed
 
 

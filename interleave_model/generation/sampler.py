@@ -30,6 +30,7 @@ VLLM_SPECULATION = (
 )
 
 AUTO_PROBE_TOKENS = 16  # decode steps of each dtype's timed rollout, `merged_copy: auto`
+AUTO_PROBE_DRAWS = 5  # timed rollouts of each choice after a warm-up, their median kept
 
 
 class Sampler:
@@ -119,11 +120,11 @@ class Sampler:
         def draw(model):
             return rollout(model, self.tokenizer, ids, mask, self.stop_ids, **probe, with_logprobs=True)
 
-        chosen, seconds, spread = fastest_copy(self.policy, draw, rows)
+        chosen, seconds, spread = fastest_copy(self.policy, draw, rows, AUTO_PROBE_DRAWS)
         timed = ", ".join(f"{dtype} {s:.3f} s" for dtype, s in seconds.items())
         rank_zero_info(f"model.sampling.merged_copy: auto samples from the {chosen.dtype} copy, the fastest here "
-                       f"(median of 5: {timed} for {probe['max_new_tokens']} tokens of one group; the draws of one "
-                       f"choice spread {spread:.0%})")  # fmt: skip
+                       f"(median of {AUTO_PROBE_DRAWS}: {timed} for {probe['max_new_tokens']} tokens of one group; "
+                       f"the draws of one choice spread {spread:.0%})")  # fmt: skip
         return chosen
 
     def budget(self, target_ids: list[list[int]]) -> int:

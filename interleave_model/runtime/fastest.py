@@ -50,7 +50,7 @@ def fastest_micro_batch(
     G = num_generations
     sizes = [G * 2**k for k in range(n_rows.bit_length()) if G * 2**k < n_rows] + [None]
     chosen, seconds = fastest({size: partial(update, size) for size in sizes}, device=device)
-    timed = ", ".join(f"{size or n_rows}: {s:.2f} s" for size, s in seconds.items())
+    listed = ", ".join(f"{size or n_rows}: {s:.2f} s" for size, s in seconds.items())
     line = (f"model.optimization.micro_batch_size: auto takes {chosen or n_rows} rows a forward, the fastest here "
-            f"(rows a forward: seconds of this step's update; {timed})")  # fmt: skip
+            f"(rows a forward: seconds of this step's update; {listed})")  # fmt: skip
     return chosen, line
