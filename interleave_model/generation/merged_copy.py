@@ -237,7 +237,7 @@ def _merged_weight(layer) -> Tensor:
 
 
 def fastest_copy(
-    policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], rows: int = 1, repeats: int = 5
+    policy: torch.nn.Module, draw: Callable[[torch.nn.Module], object], rows: int, repeats: int
 ) -> tuple[MergedCopy, dict[str, float], float]:
     """The merged copy, float32, bfloat16 or (where oneDNN has bf16) prepacked, whose `draw` (a short rollout) takes
     the least wall time here; each choice's seconds, the median of `repeats` draws after a warm-up, the same on every

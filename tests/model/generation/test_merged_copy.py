@@ -15,6 +15,7 @@ from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.merged_copy import MergedCopy, PackedLinear, fastest_copy, grouped_decode_attention
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.rollout_cache import SharedPrefix
+from interleave_model.generation.sampler import AUTO_PROBE_DRAWS
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
 from interleave_model.runtime.compat import can_prepack
 from interleave_model.settings import LoraSettings, Sampling, SettingsError
@@ -210,7 +211,7 @@ def test_the_fastest_copy_is_the_choice_whose_median_draw_took_least(llama_polic
         assert len(alive) <= 2
         now[0] += base[kind] * (1.0 + 0.1 * (drawn.count(kind) % 2))  # the draws of a choice spread 10%
 
-    chosen, seconds, spread = fastest_copy(policy, draw, rows=6)
+    chosen, seconds, spread = fastest_copy(policy, draw, rows=6, repeats=AUTO_PROBE_DRAWS)
     choices = ["float32", "bfloat16", "prepacked"] if prepack else ["float32", "bfloat16"]
     expected = fast if fast in choices else "bfloat16"
     assert chosen.dtype == expected and _kind(chosen.model) == expected
