@@ -91,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--micro-batch-size", type=harness.micro_batch, default="auto",
                         help="model.optimization.micro_batch_size: rows per update forward, all, or auto")  # fmt: skip
     parser.add_argument("--rollout-engine", default="own", choices=["own", "vllm"], help="model.rollout_engine")
-    parser.add_argument("--merged-copy", choices=["auto", "float32", "bfloat16", "none"], default="auto",
+    parser.add_argument("--merged-copy", choices=["auto", "float32", "bfloat16", "prepacked", "none"], default="auto",
                         help="model.sampling.merged_copy; none: sample from the policy")  # fmt: skip
     parser.add_argument("--kv-cache-mb", type=int, default=None, help="vLLM's KV cache (MiB); default: its share")
     parser.add_argument("--gradient-checkpointing", action="store_true")

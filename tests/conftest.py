@@ -36,6 +36,37 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def pytest_addoption(parser):
+    """Which copy `merged_copy: auto` takes is whatever a host times fastest; these make any host take each branch, so
+    a test that holds on one host holds on all (`pytest --auto-copy prepacked`, `pytest --no-onednn-bf16`)."""
+    parser.addoption("--auto-copy", choices=["float32", "bfloat16", "prepacked"], default=None,
+                     help="merged_copy: auto takes this copy instead of timing the choices")  # fmt: skip
+    parser.addoption("--no-onednn-bf16", action="store_true", help="run as on a CPU whose oneDNN has no bf16 kernels")
+
+
+@pytest.fixture(autouse=True)
+def forced_host(request, monkeypatch):
+    """`--auto-copy` and `--no-onednn-bf16` applied in this process (a command a test runs in a subprocess times its
+    own choice)."""
+    from interleave_model.generation import merged_copy, sampler
+    from interleave_model.runtime import compat, machine
+
+    forced = request.config.getoption("--auto-copy")
+    if forced is not None:
+
+        def fastest_copy(policy, draw, rows, repeats):  # every choice timed as on any host, then the forced one wins
+            _, seconds, spread = merged_copy.fastest_copy(policy, draw, rows, repeats)
+            chosen = merged_copy.MergedCopy(policy, forced, rows)
+            return chosen, seconds | {chosen.dtype: min(seconds.values()) / 2}, spread
+
+        monkeypatch.setattr(sampler, "fastest_copy", fastest_copy)
+    if request.config.getoption("--no-onednn-bf16"):
+        for module in (compat, merged_copy):
+            monkeypatch.setattr(module, "can_prepack", lambda device: False)
+        for module in (compat, machine):
+            monkeypatch.setattr(module, "cpu_has_bf16", lambda: False)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """With `-n` (pytest-xdist, `--dist loadgroup`), a test file goes to one worker whole, as its module-scoped
