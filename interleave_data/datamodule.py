@@ -119,6 +119,10 @@ class InterleaveDataModule(LightningDataModule):
             raise CorpusError(f"need train_pairs >= {min_train} and val_pairs, test_pairs >= 0, got {self.pairs}")
         if min(self.batch_size, self.sft_batch_size, self.eval_batch_size) < 1 or self.sft_steps < 0:
             raise CorpusError("batch_size, sft_batch_size and eval_batch_size must be >= 1, sft_steps >= 0")
+
+    def _check_gates(self) -> None:
+        """Fit's check: every milestone the adaptive schedule gates on a held-out score is evaluated. Validation, test
+        and prediction pass no milestone, so they evaluate whatever lengths they are asked for."""
         gated = [n for n, gate in zip(self.stages, self.curriculum.val_thresholds, strict=True) if gate is not None]
         unseen = [n for n in gated if n not in self.eval_lengths or not self.val_pairs]
         if self.curriculum.adaptive is not None and unseen:
@@ -136,6 +140,8 @@ class InterleaveDataModule(LightningDataModule):
         return {"curriculum": self.curriculum.state_dict(), "batches_run": self.batches_run}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if self.trainer is not None and self.trainer.state.fn != "fit":
+            return  # validate, test, predict: the schedule is fit's business, so any schedule evaluates any checkpoint
         # a checkpoint written before the count was kept here resumes at the trainer's global step (`batches_run`)
         self._batches_run = state_dict.get("batches_run")
         if "curriculum" in state_dict:
@@ -184,6 +190,8 @@ class InterleaveDataModule(LightningDataModule):
 
     def setup(self, stage: str | None = None) -> None:
         """Loads the examples of every split; safe to call on every rank and more than once."""
+        if stage in (None, "fit"):
+            self._check_gates()
         if self._pools:
             return
         if self.curriculum.adaptive is not None:

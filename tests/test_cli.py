@@ -145,6 +145,24 @@ def test_a_tiny_checkpoint_under_another_template_is_refused_with_the_one_it_kno
     assert error.endswith("run with --data.template compact") and not any(tmp_path.iterdir())
 
 
+ADAPTIVE_GATED_UNSEEN = ["--data.curriculum.adaptive={success: 0.9}", "--data.curriculum.val_threshold=0.9",
+                         "--data.eval_stages=[4]"]  # fmt: skip  # 8 words is gated and never evaluated
+
+
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_any_schedule_evaluates_a_checkpoint_the_schedule_and_its_gates_are_fits(subcommand, fitted, tmp_path, capsys):
+    """A fixed-stage checkpoint under an adaptive config whose milestone gates are never evaluated: validate and test
+    pass no milestone and resume no schedule, so they run; fit refuses the same settings in one line."""
+    _, fit_root = fitted
+    checkpoint = sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1]
+    common = ["--config", str(TINY_CONFIG), *ADAPTIVE_GATED_UNSEEN, f"--trainer.default_root_dir={tmp_path}"]
+
+    assert run([subcommand, *common, f"--ckpt_path={checkpoint}"]) == 0
+    assert run(["fit", *common]) == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: data.curriculum.val_threshold gates the milestones [8], which are never evaluated")
+
+
 def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog, monkeypatch):
     """`model.optimization.sft_steps` (now the data's alone), `model.loss.credit`, guidance's `loss` and the
     `reference_in_group` group (removed) in a CLI run's checkpoint: each dropped in one line."""

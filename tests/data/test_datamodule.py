@@ -282,6 +282,28 @@ def test_adaptive_refuses_a_dataset_folder_and_an_unevaluated_gate(tmp_path):
         make_dm(tmp_path, eval_stages=[10, 25], curriculum=_adaptive(val_threshold=0.9))
 
 
+def test_validation_test_and_prediction_take_any_schedule_and_no_checkpointed_one(tmp_path):
+    """Gates are fit's check and the schedule is fit's state: a held-out run of an adaptive config takes lengths its
+    gates never see, and a fixed-stage checkpoint's schedule is left unread (fit refuses it)."""
+
+    from interleave_data.curriculum import Curriculum
+
+    dm = InterleaveDataModule(stages=STAGES, eval_stages=[10, 25], curriculum=_adaptive(val_threshold=0.9),
+                              train_pairs=40, val_pairs=6, test_pairs=5, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    dm.prepare_data()
+    for stage in ("validate", "test", "predict"):
+        dm.setup(stage)
+    fixed = {"curriculum": Curriculum(tuple(STAGES)).state_dict(), "batches_run": 7}
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="validate"))
+    dm.load_state_dict(fixed)
+    assert dm.curriculum.state.level is not None and dm.batches_run != 7  # the config's own schedule, untouched
+    dm.trainer = SimpleNamespace(state=SimpleNamespace(fn="fit"))
+    with pytest.raises(CorpusError, match="trained on fixed stages"):
+        dm.load_state_dict(fixed)
+    with pytest.raises(CorpusError, match=r"gates the milestones \[50\]"):
+        dm.setup("fit")
+
+
 def test_adaptive_refuses_a_last_milestone_longer_than_the_corpus_before_training(tmp_path):
     corpus = write_jsonl(tmp_path / "short.jsonl", numbered_texts(30, 60))
     with pytest.raises(CorpusError, match="stage 80 words"):
