@@ -71,13 +71,36 @@ def test_the_estimate_lines_read_the_config_as_the_run_does():
     (head, line, time_head, time_line) = estimate_lines(run, {500: (10000, 5000)}, config, 80.0, "a test GPU")
     expected = step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 64, 2, None)
     assert expected.update > step_memory(shape(config, None, 0), 10000, 5000, 4, 16, 16, 2, None).update + 0.1
-    assert head.endswith("on a test GPU, 80.0 GiB:") and "adapter 0.00" in line
+    assert head.endswith("on a test GPU, 80.0 GiB, the update through the fused LM head: one fp32 tile:")
+    assert "adapter 0.00" in line
     assert f"update {expected.update:.1f}" in line and f"rollout KV {expected.rollout_kv:.1f})" in line
     took = step_time(shape(config, None, 0), 5000, rows=64)  # every row of the batch is answered and updated
     assert (
         "64 answers" in time_head
         and time_line == f"  500 words: {took.step:.0f} s (rollout {took.rollout:.0f} s, update {took.rest:.0f} s)"
     )
+
+
+def test_a_family_without_the_fused_head_is_estimated_with_its_full_logits(family_folders):
+    """Gemma at Llama-3.2-3B's shape and SCALING's 500-word tokens: the update holds 16 rows x 1,693 answer tokens x
+    128,256 logits in bf16, their fp32 copy and its gradient (2 + 4 + 4 bytes: SCALING's 32.4 GiB) where the fused
+    head holds one 0.5 GiB tile; the line says which path. GPT-2's fixture folder takes the full logits too."""
+    from transformers import GemmaConfig
+
+    dims = {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28, "num_attention_heads": 24,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256}  # fmt: skip
+    llama, gemma = shape(LlamaConfig(**dims), None, 0), shape(GemmaConfig(**dims), None, 0)
+    fused, full = (step_memory(m, 1490, 1693, 4, 16, 16, 2, None) for m in (llama, gemma))
+    assert llama.fused_head and not gemma.fused_head
+    assert full.update - fused.update == pytest.approx(16 * 1693 * 128256 * 10 / 2**30 - 0.5)
+    assert round(full.update - fused.update + 0.5, 1) == 32.4 and full.trainer_peak > fused.trainer_peak + 20
+    run = {"model": {"base": {"dtype": "bfloat16"}, "lora": None, "rollout_engine": "own",
+                     "sampling": {"num_generations": 16}, "optimization": {"micro_batch_size": 16}},
+           "data": {"batch_size": 4}}  # fmt: skip
+    head, line, *_ = estimate_lines(run, {500: (1490, 1693)}, GemmaConfig(**dims), 80.0, "a test GPU")
+    assert "full logits: gemma has no fused LM head" in head and f"update {full.update:.1f}" in line
+    gpt2 = AutoConfig.from_pretrained(family_folders["gpt2"])
+    assert "full logits: gpt2 has no fused LM head" in estimate_lines(run, {10: (40, 30)}, gpt2, 80.0, "a GPU")[0]
 
 
 def test_the_time_estimate_meets_the_measured_steps_and_gives_scaling_md_table():

@@ -214,10 +214,15 @@ def shares_prompts(input_ids: Tensor, attention_mask: Tensor, width: int, group_
     return bool((prompt == prompt[:, :1]).all() and (mask == mask[:, :1]).all())
 
 
+# the families whose logits are exactly the final hidden states times the output layer's weight; others may cap,
+# scale or bias their logits and go through the plain logits path
+FUSED_HEAD_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def fused_head(model: torch.nn.Module) -> tuple[torch.nn.Module, Tensor] | None:
     """(decoder, LM-head weight) of a model whose logits are exactly `decoder(...) @ weight.T`, else None."""
     config = getattr(model, "config", None)
-    if getattr(config, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+    if getattr(config, "model_type", None) not in FUSED_HEAD_FAMILIES:
         return None  # other families may cap, scale or bias their logits
     head = model.get_output_embeddings()
     if type(head) is not torch.nn.Linear or head.bias is not None or type(head.weight) is not torch.nn.Parameter:

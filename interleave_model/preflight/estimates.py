@@ -11,7 +11,9 @@ checkpointing, bf16 weights and KV cache, the fused LM head), per stage from the
   the weights and ~2 GiB of work space;
 - the update: each layer's input for a micro-batch (`rows x tokens x hidden x 2 bytes x layers`), one layer
   recomputed in the backward (`rows x tokens x 2 bytes x (8 x hidden + 6 x intermediate)`, which gives SCALING's
-  table within 1%), and the LM head's fp32 tile and its softmax (0.5 GiB).
+  table within 1%), and the LM head: in the families with the fused head (`completions.FUSED_HEAD_FAMILIES`) its fp32
+  tile and softmax (0.5 GiB), in any other the full logits of the micro-batch's answers, in the weights' dtype, an
+  fp32 copy and its fp32 gradient (`rows x answer tokens x vocabulary x (weight bytes + 8)`).
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from interleave_model.algorithm.completions import FUSED_HEAD_FAMILIES
 from interleave_model.settings import ALL_LINEAR, VllmSettings
 
 GIB = 2**30
 ADAPTER_BYTES = 16  # fp32 weight, gradient, AdamW's two moments
 ENGINE_WORK_GIB = 2.0  # vLLM's activations of a prefill chunk and the sampler's logits (docs/SCALING.md)
 HEAD_TILE_GIB = 0.5  # the fused LM head's fp32 tile of 2**26 logits and its softmax
+LOGIT_COPY_BYTES = 8  # the plain path's fp32 copy of the logits and their fp32 gradient, beside the logits themselves
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, None: 4, "auto": 2}
 
 
@@ -40,6 +44,8 @@ class Shape(NamedTuple):
     hidden: int
     intermediate: int
     kv_per_token: int  # bytes of bf16 keys and values per token, all layers
+    vocabulary: int
+    fused_head: bool  # the update scores answers through the fused LM head (else: full logits)
 
 
 class StepMemory(NamedTuple):
@@ -80,7 +86,9 @@ def shape(config, lora_targets: list[str] | str | None, lora_r: int) -> Shape:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     layers = config.num_hidden_layers
     intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
-    return Shape(parameters, lora, layers, config.hidden_size, intermediate, 2 * layers * kv_heads * head_dim * 2)
+    kv = 2 * layers * kv_heads * head_dim * 2
+    fused = config.model_type in FUSED_HEAD_FAMILIES
+    return Shape(parameters, lora, layers, config.hidden_size, intermediate, kv, config.vocab_size, fused)
 
 
 def step_memory(
@@ -105,7 +113,11 @@ def step_memory(
         room = engine_share_gib - weights - ENGINE_WORK_GIB
     inputs = micro_batch * tokens * model.hidden * 2 * model.layers / GIB
     recomputed = micro_batch * tokens * 2 * (8 * model.hidden + 6 * model.intermediate) / GIB
-    update = inputs + recomputed + HEAD_TILE_GIB
+    if model.fused_head:
+        head = HEAD_TILE_GIB
+    else:
+        head = micro_batch * answer_tokens * model.vocabulary * (weight_bytes + LOGIT_COPY_BYTES) / GIB
+    update = inputs + recomputed + head
     peak = weights + adapter + max(update, rollout if room is None else 0.0)
     return StepMemory(weights, adapter, rollout, room, update, peak)
 
@@ -203,7 +215,11 @@ def estimate_lines(config: dict, stages: dict[int, tuple[int, int]], model_confi
     """`check --rehearse`'s estimate lines, one per stage from its measured (prompt, answer budget) tokens: the memory
     on the GPU given, then the step's time on the measured one (`step_time`)."""
     estimates = estimate_stages(config, stages, model_config, gib)
-    lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB:"]
+    family = getattr(model_config, "model_type", None)
+    head = ("the fused LM head: one fp32 tile" if family in FUSED_HEAD_FAMILIES else
+            f"full logits: {family} has no fused LM head (only {', '.join(FUSED_HEAD_FAMILIES)} have)")  # fmt: skip
+    lines = [f"estimate (not measured; docs/SCALING.md's model) for the real model on {gpu}, {gib:.1f} GiB, "
+             f"the update through {head}:"]  # fmt: skip
     for e in estimates:
         m, share = e.memory, e.engine_share
         line = (f"  {e.words} words: trainer {m.trainer_peak:.1f} GiB (weights {m.weights:.1f}, adapter "
