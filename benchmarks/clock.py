@@ -19,6 +19,7 @@ import time
 
 import lightning as L
 
+from interleave_model.evaluation.evaluator import logged_scores, metric_name
 from interleave_model.run.callbacks import group_counts
 
 # per GRPO batch, from what the module logged: how the samples hold the streams, and the update's gradient
@@ -91,16 +92,15 @@ class Clock(L.Callback):
         point = {"step": trainer.global_step, "s": round(self.seconds(), 1), "length": _length(trainer)} | scores
         if scores:  # how the first length's answers hold the two streams, and the score's standard error
             first = min(scores, key=lambda k: int(k.removesuffix("w")))
-            point |= {key: round(float(logged[f"val/{key}_{first}"]), 3) for key in HELD_OUT_KEYS
-                      if f"val/{key}_{first}" in logged}  # fmt: skip
+            names = {key: metric_name("val", key, int(first.removesuffix("w"))) for key in HELD_OUT_KEYS}
+            point |= {key: round(float(logged[name]), 3) for key, name in names.items() if name in logged}
         self.curve.append(point)
         print(f"clock: {point}", file=sys.stderr, flush=True)
 
 
 def held_out_scores(logged: dict, digits: int) -> dict[str, float]:
     """The last validation's alignment score at each length, `{"<N>w": score}`, from a trainer's logged metrics."""
-    return {k.removeprefix("val/alignment_"): round(float(v), digits) for k, v in logged.items()
-            if k.startswith("val/alignment_")}  # fmt: skip
+    return {f"{n}w": round(score, digits) for n, score in logged_scores(logged).items()}
 
 
 def batch_row(trainer, record) -> dict:

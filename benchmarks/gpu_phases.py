@@ -15,6 +15,8 @@ from pathlib import Path
 import harness
 from gpu_step import WORDS, config, grpo_step, instrument, memory, model_folder, module_from, step_model, trainer
 
+from interleave_model.evaluation.evaluator import metric_name
+
 SHIPPED_NAME = "smollm2-135m-instruct"
 DRAFT_TOKENS = 4  # tokens drafted a forward in the speculation phase
 SPECULATION_KEYS = ("kept_share", "tokens_per_forward", "forwards", "plain_steps", "rollout_s", "speedup_wall",
@@ -126,7 +128,8 @@ def smollm2_fit(smoke: bool, work: Path) -> dict:
     def held_out() -> tuple[float, float, float]:
         started = time.perf_counter()
         (logged,) = trainer(smoke, precision, 1, validate=True).validate(module, datamodule, verbose=False)
-        score, stderr = logged[f"val/alignment_{WORDS}w"], logged.get(f"val/score_stderr_{WORDS}w")
+        score = logged[metric_name("val", "score", WORDS)]
+        stderr = logged.get(metric_name("val", "score_stderr", WORDS))
         return round(score, 4), (None if stderr is None else round(stderr, 4)), time.perf_counter() - started
 
     before, stderr_before, eval_before = held_out()

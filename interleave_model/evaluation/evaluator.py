@@ -231,15 +231,25 @@ class Evaluator(torch.nn.Module):
         return rows
 
 
+def metric_name(prefix: str, measure: str, n_words: int) -> str:
+    """The logged name of a measure at a length: `val/alignment_10w` (the score is logged as "alignment")."""
+    return f"{prefix}/{'alignment' if measure == 'score' else measure}_{n_words}w"
+
+
+def logged_scores(logged: Mapping[str, object], prefix: str = "val") -> dict[int, float]:
+    """`{n_words: score}` of every length whose score is among a trainer's `logged` metrics under `prefix`."""
+    head, tail = metric_name(prefix, "score", 0).split("0", 1)
+    return {int(k[len(head) : -len(tail)]): float(v) for k, v in logged.items()
+            if k.startswith(head) and k.endswith(tail) and k[len(head) : -len(tail)].isdigit()}  # fmt: skip
+
+
 def logged_values(rows: Sequence[Mapping[str, float | int]], prefix: str) -> dict[str, float]:
-    """Every measure of the table as `{prefix}/{name}_{n}w` (the score as "alignment"); NaNs and counts are left
-    out."""
+    """Every measure of the table as `metric_name(prefix, measure, n)`; NaNs and counts are left out."""
     values = {}
     for row in rows:
         for name, value in row.items():
             if name not in ("n_words", "pairs", "texts") and not math.isnan(value):
-                name = "alignment" if name == "score" else name
-                values[f"{prefix}/{name}_{row['n_words']}w"] = value
+                values[metric_name(prefix, name, row["n_words"])] = value
     return values
 
 

@@ -27,6 +27,7 @@ import lightning as L
 import torch
 import yaml
 
+from interleave_model.evaluation.evaluator import logged_scores
 from interleave_model.model.policy import TINY
 from interleave_model.model.shipped import resolve_model
 
@@ -151,8 +152,7 @@ def rehearse(config: dict, workdir: Path, run: Callable[[list[str], list[L.Callb
     if step != saved_step + 1 or resumed.datamodule.curriculum.stage_words != stages[-1]:
         raise RuntimeError(f"the resume from step {saved_step} ended at step {step}, not one step on at the last stage")
     lines.append(f"rehearsal: saved at step {saved_step} at {stages[-1]} words, resumed, step {step}: ok")
-    scored = sorted(int(k.removeprefix("val/alignment_").removesuffix("w")) for k in resumed.trainer.callback_metrics
-                    if k.startswith("val/alignment_"))  # fmt: skip
+    scored = sorted(logged_scores(resumed.trainer.callback_metrics))
     lines.append(f"rehearsal: held-out evaluation at {', '.join(map(str, scored))} words: ok")
     resumed.model.sampler.close()
     del resumed

@@ -19,6 +19,7 @@ from typing_extensions import override
 from interleave_data.curriculum import Curriculum
 from interleave_data.curriculum_types import Decision, StepCounts
 from interleave_model.algorithm.grpo import zero_std_groups
+from interleave_model.evaluation.evaluator import metric_name
 from interleave_model.model.export import export
 from interleave_model.run.runs import run_dir
 from interleave_model.runtime.machine import warn
@@ -79,7 +80,7 @@ class CurriculumCallback(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or self.curriculum is None:
             return
-        value = trainer.callback_metrics.get(f"val/alignment_{self.curriculum.stage_words}w")
+        value = trainer.callback_metrics.get(metric_name("val", "score", self.curriculum.stage_words))
         if value is not None:
             # the next batch is already fetched: a warm-start ended now ends from the batch after it
             run = trainer.datamodule.batches_run

@@ -162,3 +162,18 @@ def test_sampled_answers_only_at_the_sample_lengths():
         greedy, groups = evaluator.answers(batch, 0, 0, torch.device("cpu"), sample)
         assert len(greedy) == 2 and (groups is None) is (words == 25)
     assert calls == [3, 1, 1]  # sampled and greedy at 10 words, greedy only at 25
+
+
+def test_metric_names_come_from_one_place_and_read_back():
+    """The score is logged as "alignment" under its split and length; `logged_scores` reads every length's back, and
+    nothing else that shares the prefix."""
+    from interleave_model.evaluation.evaluator import logged_scores, logged_values, metric_name
+
+    rows = [{"n_words": 10, "pairs": 4, "score": 0.5, "score_stderr": 0.1}, {"n_words": 25, "pairs": 4, "score": 0.25}]
+    logged = logged_values(rows, "val")
+    assert logged == {"val/alignment_10w": 0.5, "val/score_stderr_10w": 0.1, "val/alignment_25w": 0.25}
+    assert metric_name("val", "score", 10) == "val/alignment_10w" and metric_name("test", "a_accuracy", 5) == (
+        "test/a_accuracy_5w"
+    )
+    logged |= {"test/alignment_50w": 1.0, "val/alignment_sampled": 0.3}
+    assert logged_scores(logged) == {10: 0.5, 25: 0.25} and logged_scores(logged, "test") == {50: 1.0}
