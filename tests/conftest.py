@@ -48,10 +48,12 @@ def pytest_addoption(parser):
 def forced_host(request, monkeypatch):
     """`--auto-copy` and `--no-onednn-bf16` applied in this process (a command a test runs in a subprocess times its
     own choice)."""
+    forced, no_bf16 = request.config.getoption("--auto-copy"), request.config.getoption("--no-onednn-bf16")
+    if forced is None and not no_bf16:
+        return  # the usual run: nothing to patch, and no import of the engines for a test that does not use them
     from interleave_model.generation import merged_copy, sampler
     from interleave_model.runtime import compat, machine
 
-    forced = request.config.getoption("--auto-copy")
     if forced is not None:
 
         def fastest_copy(policy, draw, rows, repeats):  # every choice timed as on any host, then the forced one wins
@@ -60,7 +62,7 @@ def forced_host(request, monkeypatch):
             return chosen, seconds | {chosen.dtype: min(seconds.values()) / 2}, spread
 
         monkeypatch.setattr(sampler, "fastest_copy", fastest_copy)
-    if request.config.getoption("--no-onednn-bf16"):
+    if no_bf16:
         for module in (compat, merged_copy):
             monkeypatch.setattr(module, "can_prepack", lambda device: False)
         for module in (compat, machine):
