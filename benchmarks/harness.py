@@ -21,6 +21,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# the checkout this file lives in comes before any installed copy: a benchmark run from another worktree (a detached
+# one, while the main checkout is edited) imports that worktree's code, the commit its line names, where an editable
+# install would import the installed checkout's
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
 # a benchmark reads nothing from the hub, and a process of its own keeps the Rust tokenizer to one thread
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
