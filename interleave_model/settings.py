@@ -109,7 +109,8 @@ class Sampling:
             (a CPU whose oneDNN has bf16; elsewhere the plain "bfloat16"). "auto" times a short rollout of the first
             training batch from each (five draws after a warm-up, the median) and keeps the fastest
             (`merged_copy.fastest_copy`), said in one line with the times and their spread. Validation, test and
-            predict always sample from the policy.
+            predict never sample from this copy: a LoRA policy's held-out answers come from a copy merged in the
+            policy's own dtype (`Sampler._held_out_model`), whatever this says.
         importance_sampling_cap: With a merged copy, weight each token's policy-gradient term by the truncated
             importance ratio min(pi_policy / pi_copy, cap) (TIS, as `model.vllm.importance_sampling_cap` does for
             vLLM's samples); null: no correction.

@@ -2,7 +2,7 @@
 
 The `Evaluator` (a collaborator) draws the answers through the configured engine, scores them per length and tables
 them; these hooks hand it each batch and log its table. A mixin of `InterleaveGRPO`, which provides `evaluator`,
-`_rollout` (answers through the configured engine), `_sum_over_ranks` and `_log_step`.
+`sampler`, `_rollout` (answers through the configured engine), `_sum_over_ranks` and `_log_step`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,15 @@ class HeldOutEvaluation:
         return prediction_records(batch, *self._answers(batch, batch_idx))
 
     def on_validation_epoch_end(self) -> None:
+        self.sampler.evaluation_ended()
         self._log_table("val")
 
     def on_test_epoch_end(self) -> None:
+        self.sampler.evaluation_ended()
         self._log_table("test")
+
+    def on_predict_epoch_end(self) -> None:
+        self.sampler.evaluation_ended()
 
     def greedy(self, batch: dict) -> list[str]:
         """Greedy answers, one per prompt."""

@@ -1,7 +1,9 @@
 """Which engine samples the answers: the project's own sampler (`rollout.py`) or colocated vLLM (`vllm_engine.py`).
 
 Training, validation, test and predict all sample through one `Sampler`, within the token budget a batch's targets
-need, so the two engines differ only in where the tokens come from.
+need, so the two engines differ only in where the tokens come from. The own sampler draws a LoRA policy's held-out
+answers from the policy merged into its own dtype (`MergedCopy`): the same function, one matmul an adapted layer instead
+of three.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from interleave_model.generation.merged_copy import MergedCopy, fastest_copy
 from interleave_model.generation.rollout import Rollout, answer_budget, rollout, token_budget
 from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
-from interleave_model.model.policy import TINY
+from interleave_model.model.policy import TINY, is_peft
 from interleave_model.model.positions import refuse_coupled
 from interleave_model.runtime.machine import warn
 from interleave_model.settings import Sampling, VllmSettings
@@ -65,6 +67,7 @@ class Sampler:
         self.vllm, self.seed = vllm, seed
         self.engine: VllmEngine | None = None  # built at the first rollout when the kind is "vllm"
         self.copy: MergedCopy | None = None  # built at the first training rollout with `sampling.merged_copy`
+        self.held_out: MergedCopy | None = None  # a LoRA policy merged in its dtype, during an evaluation (own sampler)
         if engine == "vllm":
             refuse_coupled(policy, "model.rollout_engine: vllm")
 
@@ -93,6 +96,8 @@ class Sampler:
             if training and self.sampling.merged_copy is not None:
                 self.copy = self.copy or self._merged_copy(batch, kwargs)
                 model, kwargs["with_logprobs"] = self.copy.refresh(version), True
+            elif not training:
+                model = self._held_out_model(version)
             if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
                 kwargs["draw"] = partial(speculative_sample, sources=batch["target_ids"],
                                          draft_tokens=self.sampling.speculative_tokens,
@@ -104,6 +109,22 @@ class Sampler:
         if training:
             engine.sleep()
         return roll
+
+    def _held_out_model(self, version: int) -> torch.nn.Module:
+        """The model the own sampler draws held-out answers from: a LoRA policy merged into weights of its own dtype
+        (float32 or bfloat16), the policy's function up to rounding (`test_merged_copy.py` checks its samples and
+        log-probs equal) with one matmul an adapted layer instead of three (`copy_float32` against `lora_no_autocast`
+        in benchmarks/results/decode-levers.jsonl), refreshed when `version` changed; any other policy itself. Kept
+        until `evaluation_ended`."""
+        dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(next(self.policy.parameters()).dtype)
+        if not is_peft(self.policy) or dtype is None:
+            return self.policy
+        self.held_out = self.held_out or MergedCopy(self.policy, dtype)
+        return self.held_out.refresh(version)
+
+    def evaluation_ended(self) -> None:
+        """An evaluation's last batch was answered: its merged copy is freed (its memory is the base model's again)."""
+        self.held_out = None
 
     def _merged_copy(self, batch: dict, kwargs: dict) -> MergedCopy:
         """The configured merged copy; with "auto", the choice whose short rollout of this batch's first prompt runs
@@ -171,6 +192,7 @@ class Sampler:
             self.engine.version = None
         if self.copy is not None:
             self.copy.version = None
+        self.held_out = None
 
     def close(self) -> None:
         """Shut the vLLM engine down, its KV cache freed: the next rollout builds a fresh one. An engine left standing

@@ -177,3 +177,30 @@ def test_metric_names_come_from_one_place_and_read_back():
     )
     logged |= {"test/alignment_50w": 1.0, "val/alignment_sampled": 0.3}
     assert logged_scores(logged) == {10: 0.5, 25: 0.25} and logged_scores(logged, "test") == {50: 1.0}
+
+
+def test_a_lora_policys_evaluation_draws_from_a_merged_copy_freed_at_its_end(make_module, make_datamodule, monkeypatch):
+    """Validation, test and predict of a LoRA policy draw from one merged copy each, freed when they end."""
+    import lightning as L
+
+    from interleave_model.generation import sampler as sampler_py
+    from interleave_model.settings import LoraSettings
+
+    module = make_module(lora=LoraSettings(r=4, alpha=8, dropout=0.0))
+    datamodule = make_datamodule(module.tokenizer)
+    built, held = [], []
+    real = sampler_py.MergedCopy
+    monkeypatch.setattr(sampler_py, "MergedCopy", lambda *a: built.append(a[1]) or real(*a))
+
+    def ended():
+        held.append(module.sampler.held_out)
+        module.sampler.held_out = None
+
+    monkeypatch.setattr(module.sampler, "evaluation_ended", ended)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.test(module, datamodule=datamodule, verbose=False)
+    trainer.predict(module, datamodule=datamodule)
+    assert built == ["float32"] * 3 and len(held) == 3 and all(copy is not None for copy in held)
+    assert module.sampler.held_out is None

@@ -277,3 +277,37 @@ def test_merged_copy_settings_are_checked():
         Sampling(merged_copy="float16")
     with pytest.raises(SettingsError, match="model.sampling.importance_sampling_cap"):
         Sampling(importance_sampling_cap=0.5)
+
+
+def test_held_out_answers_come_from_a_copy_merged_in_the_policys_dtype(lora_policy, monkeypatch):
+    """A LoRA policy's greedy held-out answers are the policy's own (real families' folders: byte-level BPE, several
+    stop ids, no pad token), drawn from a float32 merged copy that follows the weights and is freed at the end."""
+    from interleave_model.generation import sampler as sampler_py
+    from interleave_model.generation.rollout import rollout
+    from interleave_model.generation.sampler import Sampler
+
+    policy, tok, prompts = lora_policy
+    stops = stop_token_ids(policy, tok)
+    sampler = Sampler(policy, tok, stops, sampling=Sampling())
+    batch = {"prompt_ids": prompts.input_ids, "prompt_mask": prompts.attention_mask, "n_words": [3, 3],
+             "target_ids": [[1, 2, 3], [1, 2, 3]]}  # fmt: skip
+    built = []
+    monkeypatch.setattr(sampler_py, "MergedCopy", lambda *a: built.append(a) or MergedCopy(*a))
+
+    def own(model):  # the same call from a given model
+        return rollout(model, tok, prompts.input_ids, prompts.attention_mask, stops, num_generations=1,
+                       max_new_tokens=sampler.eval_budget(batch), temperature=0.0, top_p=1.0, top_k=0)  # fmt: skip
+
+    held_out = sampler.rollout(batch, 1, 0.0, version=0)
+    assert [args[1] for args in built] == ["float32"] and sampler.held_out is not None
+    assert held_out.texts == own(policy).texts and torch.equal(held_out.completion_ids, own(policy).completion_ids)
+    with torch.no_grad():  # an update between two evaluations reaches the copy
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.05)
+    assert sampler.rollout(batch, 1, 0.0, version=1).texts == own(policy).texts
+    sampler.evaluation_ended()
+    assert sampler.held_out is None and len(built) == 1
+    plain = Sampler(policy.get_base_model(), tok, stops, sampling=Sampling())
+    assert plain.rollout(batch, 1, 0.0, version=0).texts == own(policy.get_base_model()).texts
+    assert plain.held_out is None and len(built) == 1  # no adapter: the model itself
