@@ -88,7 +88,9 @@ class Clock(L.Callback):
         if trainer.sanity_checking:
             return
         logged = trainer.callback_metrics
-        scores = held_out_scores(logged, digits=3)
+        # a check of fit may run some lengths only: the others' logged scores are an earlier check's
+        ran = {f"{row['n_words']}w" for row in pl_module.eval_results["lengths"]}
+        scores = {length: score for length, score in held_out_scores(logged, digits=3).items() if length in ran}
         point = {"step": trainer.global_step, "s": round(self.seconds(), 1), "length": _length(trainer)} | scores
         if scores:  # how the first length's answers hold the two streams, and the score's standard error
             first = min(scores, key=lambda k: int(k.removesuffix("w")))

@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 from lightning import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset, SequentialSampler
 
 from interleave_data.cache import build_cache, cache_path, load_cache
 from interleave_data.corpus import CorpusError, Text, load_corpus
 from interleave_data.curriculum import Curriculum
 from interleave_data.curriculum_types import CurriculumSettings, check_lengths
 from interleave_data.folder import read_split
+from interleave_data.held_out import HeldOutBatches, checked_lengths, deciding_lengths, stages_passed
 from interleave_data.pairs import SPLITS, Example, Split, check_fractions, draw_example, split_texts
 from interleave_data.prompts import TEMPLATES, TemplateName, adds_special_tokens, format_prompt
 
@@ -26,7 +27,8 @@ class InterleaveDataModule(LightningDataModule):
     ``k < sft_steps`` are supervised warm-start batches from one half of the stage's training pairs (fewer when
     ``curriculum.warm_start_until`` ends the warm-start at a held-out score); later batches
     are GRPO batches from the other half, with a share from earlier stages (replay). Validation and test give one
-    loader per evaluation length, for a score-vs-length curve.
+    loader per evaluation length, for a score-vs-length curve; during fit a validation runs only the lengths whose
+    score decides something, and the whole curve after a stage is passed and as fit ends (`held_out_lengths`).
 
     The curriculum (``self.curriculum``) decides which stage each batch is drawn at and is checkpointed here, once.
     Under a Trainer, Lightning fetches one batch ahead: a stage move made in ``on_train_batch_end`` shows from the
@@ -53,6 +55,8 @@ class InterleaveDataModule(LightningDataModule):
         eval_batch_size: Prompts per validation / test / predict batch.
         replay_fraction: Share of each GRPO batch drawn from earlier stages, in [0, 1).
         eval_stages: Lengths of the validation and test loaders; None means all ``stages``.
+        eval_every_length: Run every ``eval_stages`` length at each validation of fit; False runs the lengths that
+            decide something and the whole curve after each stage passed and as fit ends (``held_out_lengths``).
         predict_split: Split served by ``predict_dataloader``.
         cache_dir: Root of the Arrow cache; None means the HF datasets cache.
         tokenizer: The model's tokenizer, for prompts and target ids; linked from ``model.tokenizer`` by the CLI,
@@ -78,6 +82,7 @@ class InterleaveDataModule(LightningDataModule):
         eval_batch_size: int = 16,
         replay_fraction: float = 0.0,
         eval_stages: Sequence[int] | None = None,
+        eval_every_length: bool = False,
         predict_split: Split = "test",
         cache_dir: str | None = None,
         tokenizer: Any = None,
@@ -88,6 +93,7 @@ class InterleaveDataModule(LightningDataModule):
         self.curriculum = Curriculum(stages, replay_fraction, curriculum, sft_steps)
         self.stages = self.curriculum.stages
         self.eval_lengths = list(self.stages) if eval_stages is None else check_lengths(eval_stages, "eval_stages")
+        self.eval_every_length = eval_every_length
         self.train_pairs = train_pairs
         self.val_pairs = val_pairs
         self.test_pairs = test_pairs
@@ -107,6 +113,8 @@ class InterleaveDataModule(LightningDataModule):
         self._usable: dict[int, list[Text]] = {}  # length -> train texts at least that long
         # training batches handed to the training step: counted here, checkpointed here (`batches_run`)
         self._batches_run: int | None = 0
+        self._curve_passes = 0  # stages passed when the last whole curve ran: one passed since owes it (checkpointed)
+        self._check: tuple[int, list[int]] | None = None  # (batches run, lengths) of the check under way
 
     def _check_args(self) -> None:
         if self.template not in TEMPLATES:
@@ -137,7 +145,8 @@ class InterleaveDataModule(LightningDataModule):
         return {"train": self.train_pairs, "val": self.val_pairs, "test": self.test_pairs}
 
     def state_dict(self) -> dict:
-        return {"curriculum": self.curriculum.state_dict(), "batches_run": self.batches_run}
+        state = {"curriculum": self.curriculum.state_dict(), "batches_run": self.batches_run}
+        return state | {"curve_passes": self._curve_passes}
 
     def load_state_dict(self, state_dict: dict) -> None:
         if self.trainer is not None and self.trainer.state.fn != "fit":
@@ -148,6 +157,9 @@ class InterleaveDataModule(LightningDataModule):
             self.curriculum.load_state_dict(state_dict["curriculum"])
         else:  # written before the curriculum had one owner; CurriculumCallback hands over the rest
             self.curriculum.load_legacy_state(datamodule=state_dict)
+        # a checkpoint written before the count was kept owes no curve: the stages it passed were seen when passed
+        self._curve_passes = state_dict.get("curve_passes", stages_passed(self.curriculum.state.history))
+        self._check = None
 
     def _lengths(self) -> dict[str, list[int]]:
         """``split -> lengths`` this module serves; splits asked for zero pairs are left out."""
@@ -330,7 +342,38 @@ class InterleaveDataModule(LightningDataModule):
         return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))
 
     def val_dataloader(self) -> list[DataLoader]:
-        return [self._eval_loader(self.examples(n, "val")) for n in self.eval_lengths] if self.val_pairs else []
+        return [self._val_loader(n) for n in self.eval_lengths] if self.val_pairs else []
+
+    def _val_loader(self, n_words: int) -> DataLoader:
+        """The validation pairs of one length, in `eval_batch_size` batches, served at the checks that run it."""
+        examples = self.examples(n_words, "val")
+        batches = HeldOutBatches(SequentialSampler(examples), self.eval_batch_size, False, partial(self._runs, n_words))
+        return _loader(examples, batch_sampler=batches, collate_fn=partial(self.collate, phase="eval"))
+
+    def _runs(self, n_words: int) -> bool:
+        """Whether the validation under way runs `n_words` (`held_out_lengths`)."""
+        return n_words in self.held_out_lengths()
+
+    def held_out_lengths(self) -> list[int]:
+        """The evaluation lengths the validation under way runs.
+
+        Every one outside fit (validate, test), with `eval_every_length`, at the first check after a stage is passed,
+        and at the check that ends fit (at `max_steps`, or once the run has been told to stop: the curriculum's last
+        stage or a stop); else those whose score decides something (`held_out.deciding_lengths`). Chosen once per
+        check, as its first length is asked for, so every length of a check is asked of the same state.
+        """
+        trainer = self.trainer
+        if self.eval_every_length or trainer is None or trainer.state.fn != "fit":
+            return self.eval_lengths
+        if self._check is None or self._check[0] != self.batches_run:
+            passes = stages_passed(self.curriculum.state.history)
+            ending = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
+            whole = ending or passes > self._curve_passes
+            if whole and not trainer.sanity_checking:  # a sanity check runs a batch or two: it shows no curve
+                self._curve_passes = passes
+            deciding = deciding_lengths(self.curriculum, self.batches_run, self.sft_stages)
+            self._check = self.batches_run, checked_lengths(self.eval_lengths, deciding, whole)
+        return self._check[1]
 
     def test_dataloader(self) -> list[DataLoader]:
         return [self._eval_loader(self.examples(n, "test")) for n in self.eval_lengths] if self.test_pairs else []

@@ -21,7 +21,7 @@ NO_GPU = "trainer.accelerator is 'gpu', but this machine has no GPU: run with --
 SCALARS = [
     "train/loss", "train/pg_loss", "train/kl", "train/entropy", "train/reward_mean", "train/reward_std",
     "train/frac_zero_std_groups", "train/clip_frac", "train/completion_len", "train/truncated_frac",
-    "train/advantage_abs_mean", "train/sft_loss", "time/rollout_s", "time/reward_s", "time/update_s",
+    "train/advantage_abs_mean", "train/sft_loss", "time/rollout_s", "time/reward_s", "time/update_s", "time/val_s",
     "train/a_accuracy", "train/b_accuracy", "train/length_ratio", "train/copy_share", "train/grad_norm",
     "train/grad_clipped", "val/a_accuracy_4w", "val/copy_share_4w", "val/length_ratio_4w",
     "val/alignment_4w", "val/alignment_8w",
