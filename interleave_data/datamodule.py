@@ -358,9 +358,10 @@ class InterleaveDataModule(LightningDataModule):
         """The evaluation lengths the validation under way runs.
 
         Every one outside fit (validate, test), with `eval_every_length`, at the first check after a stage is passed,
-        and at the check that ends fit (at `max_steps`, or once the run has been told to stop: the curriculum's last
-        stage or a stop); else those whose score decides something (`held_out.deciding_lengths`). Chosen once per
-        check, as its first length is asked for, so every length of a check is asked of the same state.
+        at the warm start's last check (the curve GRPO's gains are read against), and at the check that ends fit (at
+        `max_steps`, or once the run has been told to stop: the curriculum's last stage or a stop); else those whose
+        score decides something (`held_out.deciding_lengths`). Chosen once per check, as its first length is asked
+        for, so every length of a check is asked of the same state.
         """
         trainer = self.trainer
         if self.eval_every_length or trainer is None or trainer.state.fn != "fit":
@@ -368,7 +369,9 @@ class InterleaveDataModule(LightningDataModule):
         if self._check is None or self._check[0] != self.batches_run:
             passes = stages_passed(self.curriculum.state.history)
             ending = trainer.should_stop or 0 < trainer.max_steps <= trainer.global_step
-            whole = ending or passes > self._curve_passes
+            # the warm start's last check (GRPO starts at the next batch): the curve GRPO's gains are read against
+            grpo_starts = 0 < self.batches_run == self.curriculum.grpo_start
+            whole = ending or grpo_starts or passes > self._curve_passes
             if whole and not trainer.sanity_checking:  # a sanity check runs a batch or two: it shows no curve
                 self._curve_passes = passes
             deciding = deciding_lengths(self.curriculum, self.batches_run, self.sft_stages)

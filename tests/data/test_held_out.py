@@ -39,6 +39,7 @@ def test_a_check_runs_the_lengths_that_decide_something_and_the_whole_curve_wher
     curriculum = dm.curriculum
 
     assert _check(dm, 2) == [4, 10]  # the warm start: the lengths it trains on; 10 is also its gate
+    assert _check(dm, 4) == EVAL  # its last check, as GRPO starts: the curve GRPO's gains are read against
     assert _check(dm, 6) == [10]  # the climb towards the first milestone
     curriculum.observe_milestone(0.95, 5, 6)  # as the check at step 6 ends: 10 words passed
     assert dm.held_out_lengths() == [10]  # a check's lengths are chosen once, as it starts
