@@ -80,15 +80,18 @@ def phase_dtypes(args: argparse.Namespace) -> dict[str, str]:
     return {"rollout": args.merged_copy or "float32", "update": "bfloat16" if args.bf16 else "float32"}
 
 
-def matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", repeats: int = 5) -> float:
-    """FLOP/s of `[rows, inner] @ [inner, outer]` in `dtype` at torch's thread count: the median of `repeats` timings,
-    each long enough to time (at least 0.2 s of products). With one thread it is timed in CPU time (`clock`)."""
+def matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", repeats: int = 5, batch: int = 0) -> float:
+    """FLOP/s of `[rows, inner] @ [inner, outer]` in `dtype` at torch's thread count (with `batch`, `batch` such
+    products at once, each its own right side: `[batch, rows, inner] @ [batch, inner, outer]`): the median of
+    `repeats` timings, each long enough to time (at least 0.2 s of products). With one thread it is timed in CPU time
+    (`clock`)."""
     import torch
 
     clock = _clock()
     kind = getattr(torch, dtype)
-    a, b = torch.randn(rows, inner, dtype=kind), torch.randn(inner, outer, dtype=kind)
-    flops = 2 * rows * inner * outer
+    stack = (batch,) if batch else ()
+    a, b = torch.randn(*stack, rows, inner, dtype=kind), torch.randn(*stack, inner, outer, dtype=kind)
+    flops = 2 * max(batch, 1) * rows * inner * outer
     calls = max(1, int(2e8 // flops) + 1)
     a @ b  # warm-up
     times = []
