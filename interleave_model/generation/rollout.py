@@ -9,6 +9,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from interleave_model.generation.decode_step import decode_step
 from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout_cache import rollout_cache
 from interleave_model.model.positions import model_positions
@@ -116,6 +117,7 @@ def sample(
         finished = torch.zeros(n, dtype=torch.bool, device=logits.device)  # [P*G]
         stops = torch.as_tensor(list(stop_ids), device=logits.device)  # [S]
         pad = torch.full((n,), pad_token_id, dtype=torch.long, device=logits.device)  # [P*G]
+        step_logits = decode_step(model)  # a plain Llama's step without transformers' module stack, same logits
         tokens: list[Tensor] = []
         logprobs: list[Tensor] = []
         for step in range(max_new_tokens):
@@ -138,14 +140,8 @@ def sample(
                     rows, position = rows[running], position[running]
                     attention = attention[running] if attention is not None else None
             position = position + 1
-            out = model(
-                input_ids=token[rows, None],
-                attention_mask=attention[..., : prompt_length + step + 1] if attention is not None else None,
-                position_ids=position,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            logits = out.logits[:, -1]  # [R, V]
+            mask = attention[..., : prompt_length + step + 1] if attention is not None else None
+            logits = step_logits(token[rows, None], mask, position, cache)  # [R, V]
         completion_ids = torch.stack(tokens, dim=1)  # [P*G, C]
         completion_mask = _mask_through_stop(completion_ids, stops)  # [P*G, C]
         sampled_logprobs = torch.stack(logprobs, dim=1) * completion_mask if with_logprobs else None  # [P*G, C]
