@@ -80,25 +80,28 @@ def phase_dtypes(args: argparse.Namespace) -> dict[str, str]:
     return {"rollout": args.merged_copy or "float32", "update": "bfloat16" if args.bf16 else "float32"}
 
 
-def matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", repeats: int = 5, batch: int = 0) -> float:
+def matmul_rate(rows: int, inner: int, outer: int, dtype: str = "float32", repeats: int = 5, batch: int = 0,
+                operands: int = 1) -> float:  # fmt: skip
     """FLOP/s of `[rows, inner] @ [inner, outer]` in `dtype` at torch's thread count (with `batch`, `batch` such
     products at once, each its own right side: `[batch, rows, inner] @ [batch, inner, outer]`): the median of
     `repeats` timings, each long enough to time (at least 0.2 s of products). With one thread it is timed in CPU time
-    (`clock`)."""
+    (`clock`). With `operands` > 1 the products cycle through that many right sides, as a decode step reads each
+    layer's own: a right side that fits in the CPU's cache would be timed faster than the step reads it."""
     import torch
 
     clock = _clock()
     kind = getattr(torch, dtype)
     stack = (batch,) if batch else ()
-    a, b = torch.randn(*stack, rows, inner, dtype=kind), torch.randn(*stack, inner, outer, dtype=kind)
+    a = torch.randn(*stack, rows, inner, dtype=kind)
+    rights = [torch.randn(*stack, inner, outer, dtype=kind) for _ in range(operands)]
     flops = 2 * max(batch, 1) * rows * inner * outer
-    calls = max(1, int(2e8 // flops) + 1)
-    a @ b  # warm-up
+    calls = operands * max(1, int(2e8 // (flops * operands)) + 1)
+    a @ rights[0]  # warm-up
     times = []
     for _ in range(repeats):
         start = clock()
-        for _ in range(calls):
-            a @ b
+        for call in range(calls):
+            a @ rights[call % operands]
         times.append((clock() - start) / calls)
     return flops / statistics.median(times)
 

@@ -16,8 +16,8 @@ that part's shape at `--threads` (timed in CPU time with one thread, as `floor.p
 - decoder linear layers, 2 x their weights, at `[rows, hidden] @ [hidden, intermediate]`;
 - the output layer, 2 x its weights, at `[rows, hidden] @ [hidden, vocab]`;
 - attention over the cache, 4 x hidden x layers x the token's context, at the batched one-query product
-  `[rows * heads, 1, head_dim] @ [rows * heads, head_dim, mean_context]` (reading the cache: at long contexts
-  this rate is the memory's).
+  `[rows * heads, 1, head_dim] @ [rows * heads, head_dim, mean_context]`, cycling through 2 x layers such caches
+  as a step reads every layer's keys and values (at long contexts this rate is the memory's).
 
 `rows` is the eval batch size. The prompts' prefill is counted too (2 x the linear weights a prompt token, attention
 over half the prompt on average), at `[rows * prompt_tokens, hidden] @ [hidden, intermediate]`. `floor_s` is the
@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> dict:
              "head": matmul_rate(rows, shape["hidden"], shape["head_weights"] // shape["hidden"])}  # fmt: skip
     for length in lengths:
         context = max(1, round(length["mean_context"]))
-        attention = matmul_rate(1, shape["hidden"] // heads, context, batch=rows * heads)  # queries x keys
+        # queries x keys over a cache part for each layer's keys and values, as a step reads them: from memory
+        attention = matmul_rate(1, shape["hidden"] // heads, context, batch=rows * heads, operands=2 * shape["layers"])
         prefill = matmul_rate(rows * length["prompt_tokens"], shape["hidden"], shape["intermediate"])
         length |= floor_of(length, shape, rates | {"attention": attention, "prefill": prefill})
     record = {
