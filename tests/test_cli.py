@@ -217,7 +217,7 @@ def test_a_checkpoint_holds_neither_its_rewards_nor_its_data_settings(tmp_path):
     checkpoint = torch.load(path, weights_only=False)
     assert "rewards" not in checkpoint["hyper_parameters"] and b"Departed" not in path.read_bytes()
     assert "datamodule_hyper_parameters" not in checkpoint
-    assert set(checkpoint["InterleaveDataModule"]) == {"curriculum", "batches_run"}
+    assert set(checkpoint["InterleaveDataModule"]) == {"curriculum", "batches_run", "curve_passes"}
 
     resumed = main(["fit", *common, "--trainer.max_steps=4", f"--ckpt_path={path}"])
     assert resumed.trainer.global_step == 4 and "train/reward_alignment" in resumed.trainer.logged_metrics
