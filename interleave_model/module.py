@@ -159,7 +159,6 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
         self._rng: torch.Generator | None = None
-        self._validation_started = 0.0  # perf_counter() as the validation under way began: its cost, `time/val_s`
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, self.model_path, vllm, seed
         )
@@ -256,16 +255,6 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
 
     def on_train_batch_start(self, batch: dict, batch_idx: int) -> None:
         forget_step_values(self.trainer)  # a step logs what it measured, not what an earlier step did
-
-    def on_validation_epoch_start(self) -> None:
-        self._validation_started = time.perf_counter()
-
-    def on_validation_epoch_end(self) -> None:
-        """The held-out table (`HeldOutEvaluation`), then what the check cost in wall seconds, to weigh against the
-        run's time (which lengths a check runs: `data.eval_every_length`)."""
-        super().on_validation_epoch_end()
-        # near equal on every rank (the table's sums wait for the slowest); synced only to keep Lightning quiet
-        self.log("time/val_s", time.perf_counter() - self._validation_started, batch_size=1, sync_dist=True)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         rng, path = self._generator(), self.base.name_or_path

@@ -7,6 +7,8 @@ them; these hooks hand it each batch and log its table. A mixin of `InterleaveGR
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from interleave_model.evaluation.evaluator import logged_values, prediction_records
@@ -17,6 +19,7 @@ class HeldOutEvaluation:
     length; the last evaluation's table in `eval_results`, for the report writer."""
 
     eval_results: dict | None = None
+    _validation_started = 0.0  # perf_counter() as the validation under way began: its cost, `time/val_s`
 
     def validation_step(self, batch: dict, batch_idx: int, dataloader_idx: int = 0) -> None:
         self.evaluator.update(batch, *self._answers(batch, batch_idx), self.device)
@@ -28,9 +31,16 @@ class HeldOutEvaluation:
         """One record per prompt: the greedy completion, its alignment diagnostics and any sampled answers."""
         return prediction_records(batch, *self._answers(batch, batch_idx))
 
+    def on_validation_epoch_start(self) -> None:
+        self._validation_started = time.perf_counter()
+
     def on_validation_epoch_end(self) -> None:
+        """The held-out table, then what the check cost in wall seconds, to weigh against the run's time (which
+        lengths a check runs: `data.eval_every_length`)."""
         self.sampler.evaluation_ended()
         self._log_table("val")
+        # near equal on every rank (the table's sums wait for the slowest); synced only to keep Lightning quiet
+        self.log("time/val_s", time.perf_counter() - self._validation_started, batch_size=1, sync_dist=True)
 
     def on_test_epoch_end(self) -> None:
         self.sampler.evaluation_ended()
