@@ -1,13 +1,13 @@
 """The curriculum: stage lengths, replay, when a stage is learned, what to do when training collapses, and its state.
 
 Plain Python, no torch and no Lightning, so each decision is tested on its own: `Curriculum.observe` takes one GRPO
-batch's counts (`StepCounts`, already summed over ranks) and returns a `Decision`; the DataModule asks
-`Curriculum.draw_length(k)` which length batch k is drawn at, and checkpoints `state_dict()`.
+batch's counts (`StepCounts`, already summed over ranks) and returns a `Decision` (a stop's advice as data: the run
+words it and hands the line back to `record_stop`); the DataModule asks `Curriculum.draw_length(k)` which length
+batch k is drawn at, and checkpoints `state_dict()`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, fields
 from typing import get_args
@@ -20,7 +20,9 @@ from interleave_data.curriculum_types import (
     Decision,
     DecisionKind,
     OnCollapse,
+    SmallerStep,
     StepCounts,
+    StopAdvice,
     check_lengths,
     per_stage,
 )
@@ -75,7 +77,6 @@ class Curriculum:
             raise CorpusError(f"curriculum.plateau_gain must be in [0, 1], got {s.plateau_gain}")
         self.adaptive = s.adaptive
         self.sft_steps = sft_steps
-        self.exports: str | None = None  # where stage ends are exported, named in the stop message; None = not
         self.state = self._start_state()
 
     @property
@@ -325,38 +326,33 @@ class Curriculum:
         return Decision(kind, rolling, index, message=message, export_words=export_words)
 
     def _stop(self, counts: StepCounts, why: str, *others: str) -> Decision:
-        """Ends training with one line: why, then what to change: a smaller step between lengths (fixed stages: the
-        adaptive length already moves in small steps), `others`, or a supervised warm-start at the length."""
-        n = self.stage_words
-        smaller = self._smaller_step() if self.adaptive is None else ""
+        """Ends training: why, then what to change: a smaller step between lengths (fixed stages: the adaptive
+        length already moves in small steps), `others`, or a supervised warm-start at the length. The run words the
+        advice and hands the line back (`record_stop`)."""
+        smaller = self._smaller_step() if self.adaptive is None else None
         warm_start = f"a supervised warm-start at {self.length} words (data.sft_stages, data.sft_steps)"
-        options = [option for option in (smaller, *others, warm_start) if option]
-        message = f"curriculum: stopping, {why}. What to change: {'; or '.join(options)}."
-        self.state.stopped = message
-        message = self._note(counts.batch, counts.global_step, "stop", n, n, message)
-        return Decision("stop", self.rolling, self.state.stage_index, message=message, stop=True)
+        advice = StopAdvice(why, smaller, (*others, warm_start))
+        return Decision("stop", self.rolling, self.state.stage_index, stop=True, advice=advice)
 
-    def _smaller_step(self) -> str:
-        """The settings to add to the run's command to resume from the last learned stage (at the first stage: to
-        rerun) with a length halfway to the stage being trained inserted before it; empty when no whole length lies
-        between. Each per-stage list is written out for the new stages, the inserted one taking the values of the
-        stage it splits, so the command runs as it is."""
+    def record_stop(self, message: str, counts: StepCounts) -> str:
+        """Records the stop `observe(counts)` decided, in the words the run gave its advice: the state's `stopped`
+        and the history's entry. Returns the transition's one line."""
+        n = self.stage_words
+        self.state.stopped = message
+        return self._note(counts.batch, counts.global_step, "stop", n, n, message)
+
+    def _smaller_step(self) -> SmallerStep | None:
+        """The stages from the one being trained on with a length halfway to it inserted before it, resumed from the
+        last learned stage (at the first stage: rerun); None when no whole length lies between. Each per-stage list
+        is rewritten for the new stages, the inserted one taking the values of the stage it splits, so the settings
+        fit together as they are."""
         index = self.state.stage_index
         stages = split_stage(self.stages, index)
         if stages is None:
-            return ""
-        args = []
-        if index:
-            learned = self.stages[index - 1]
-            weights = f"{self.exports}/{learned}words" if self.exports else f"<the {learned}-word stage's weights>"
-            args += [f"--model.base.init_from {weights}", "--data.sft_steps 0"]
-        args.append(f"--data.stages '{json.dumps(stages)}'")
+            return None
         lists = {name: getattr(self.settings, name) for name in PER_STAGE}
         lists = {name: [v[index], *v[index:]] for name, v in lists.items() if isinstance(v, list | tuple)}
-        args += [f"--data.curriculum.{name} '{json.dumps(values)}'" for name, values in lists.items()]
-        note = " (the per-stage lists rewritten for these stages; one value applies to every stage)" if lists else ""
-        how = "resume from the last learned stage" if index else "rerun"
-        return f"{how} with a smaller step between lengths: add `{' '.join(args)}` to this run's fit command{note}"
+        return SmallerStep(stages, lists, self.stages[index - 1] if index else None)
 
     def _note(self, batch: int, global_step: int, kind: str, old: int, new: int, why: str, **extra) -> str:
         """Append a transition after batch `batch` to the history; returns its one-line message."""

@@ -1,6 +1,7 @@
 """What the curriculum reads and writes: its settings (`CurriculumSettings`, checked against the stages here), one
-GRPO batch's counts (`StepCounts`), the decision it returns (`Decision`) and the state it checkpoints
-(`CurriculumState`). Plain dataclasses; the decisions are `curriculum.Curriculum`'s.
+GRPO batch's counts (`StepCounts`), the decision it returns (`Decision`, a stop's advice as `StopAdvice` and
+`SmallerStep`) and the state it checkpoints (`CurriculumState`). Plain dataclasses; the decisions are
+`curriculum.Curriculum`'s, and the run that carries them out words a stop's advice.
 """
 
 from __future__ import annotations
@@ -124,6 +125,45 @@ class StepCounts:
 
 
 @dataclass(frozen=True)
+class SmallerStep:
+    """The first change a stop under fixed stages advises: go on with a length halfway to the stopped stage inserted
+    before it (`curriculum.split_stage`).
+
+    Attributes:
+        stages: The stages from the stopped one on, the inserted length first.
+        per_stage: Each per-stage setting given as a list (`PER_STAGE` order), rewritten for `stages`: the inserted
+            length takes the values of the stage it splits. A setting of one value applies to every stage and is not
+            here.
+        learned_words: The last learned stage, whose weights to resume from; None = rerun (the first stage stopped).
+    """
+
+    stages: list[int]
+    per_stage: dict[str, list]
+    learned_words: int | None
+
+    @property
+    def rerun(self) -> bool:
+        """No stage was learned: the run starts again rather than resuming from a learned stage's weights."""
+        return self.learned_words is None
+
+
+@dataclass(frozen=True)
+class StopAdvice:
+    """Why the curriculum stops training and what to change, in the order to try.
+
+    Attributes:
+        why: What happened, in words.
+        smaller_step: First, a smaller step between lengths; None under the adaptive schedule (its length already
+            moves in small steps) or when no whole length lies between.
+        others: Then these changes, in words; the last is a supervised warm-start at the length.
+    """
+
+    why: str
+    smaller_step: SmallerStep | None
+    others: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Decision:
     """What the curriculum decided after a batch.
 
@@ -132,9 +172,11 @@ class Decision:
         rolling: The rolling mean reward it was decided on.
         stage_index: The stage trained from now on.
         temperature: The rollout temperature from now on; None = leave it as it is.
-        message: One line for the console and TensorBoard; empty when nothing happened.
+        message: One line for the console and TensorBoard; empty when nothing happened, and for a stop until the run
+            has worded its advice (`Curriculum.record_stop`).
         export_words: The length of a stage just learned, to export; None = nothing to export.
         stop: Training should end.
+        advice: A stop's why and what to change; None for any other decision.
     """
 
     kind: DecisionKind
@@ -144,6 +186,7 @@ class Decision:
     message: str = ""
     export_words: int | None = None
     stop: bool = False
+    advice: StopAdvice | None = None
 
 
 @dataclass

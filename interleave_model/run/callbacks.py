@@ -2,12 +2,16 @@
 
 The decisions themselves are `interleave_data.curriculum.Curriculum`'s. This callback reads the `StepRecord` a GRPO
 step returns (`outputs["record"]`; None on warm-start batches) and runs on every rank: counts are summed over ranks
-before the curriculum sees them, so every rank decides the same thing at the same batch.
+before the curriculum sees them, so every rank decides the same thing at the same batch. A stop's advice comes as
+data and becomes text here (`stop_message`): the settings to add to the run's fit command are the CLI's words, which
+the data package does not know.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -17,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from interleave_data.curriculum import Curriculum
-from interleave_data.curriculum_types import Decision, StepCounts
+from interleave_data.curriculum_types import Decision, SmallerStep, StepCounts, StopAdvice
 from interleave_model.algorithm.grpo import zero_std_groups
 from interleave_model.evaluation.evaluator import metric_name
 from interleave_model.model.export import export
@@ -50,7 +54,6 @@ class CurriculumCallback(L.Callback):
         if self.curriculum is None:
             raise ValueError("CurriculumCallback needs the InterleaveDataModule (fit with datamodule=...)")
         self.run_dir = run_dir(trainer)  # on every rank: under DDP, trainer.log_dir is a collective
-        self.curriculum.exports = str(self.run_dir / "stages") if self.export else None
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -62,6 +65,10 @@ class CurriculumCallback(L.Callback):
             self._trained = True
             counts, pass_at_g, words = counts
             decision = curriculum.observe(counts)
+            if decision.advice is not None:  # a stop: worded here, recorded by the curriculum
+                exports = str(self.run_dir / "stages") if self.export else None
+                stopped = stop_message(decision.advice, exports)
+                decision = replace(decision, message=curriculum.record_stop(stopped, counts))
             logged |= {
                 "curriculum/batch_length": float(words),
                 "curriculum/reward": counts.reward,
@@ -158,6 +165,33 @@ class CurriculumCallback(L.Callback):
         if trainer.is_global_zero:
             source = {"stage_words": n_words, "global_step": trainer.global_step}
             export(pl_module, self.run_dir / "stages" / f"{n_words}words", source=source)
+
+
+def stop_message(advice: StopAdvice, exports: str | None) -> str:
+    """A curriculum's stop in one line: why, then what to change, a smaller step between lengths first.
+
+    Args:
+        advice: The stop's why and what to change.
+        exports: The folder stage ends are exported to (`<exports>/<N>words`); None = not exported.
+    """
+    smaller = [smaller_step_text(advice.smaller_step, exports)] if advice.smaller_step is not None else []
+    return f"curriculum: stopping, {advice.why}. What to change: {'; or '.join([*smaller, *advice.others])}."
+
+
+def smaller_step_text(step: SmallerStep, exports: str | None) -> str:
+    """The settings to add to the run's fit command that go on with `step`'s stages, and from the last learned
+    stage's weights (the exported folder, or a placeholder naming them) unless it is a rerun."""
+    args = []
+    if not step.rerun:
+        learned = step.learned_words
+        weights = f"{exports}/{learned}words" if exports else f"<the {learned}-word stage's weights>"
+        args += [f"--model.base.init_from {weights}", "--data.sft_steps 0"]
+    args.append(f"--data.stages '{json.dumps(step.stages)}'")
+    args += [f"--data.curriculum.{name} '{json.dumps(values)}'" for name, values in step.per_stage.items()]
+    lists = " (the per-stage lists rewritten for these stages; one value applies to every stage)"
+    how = "rerun" if step.rerun else "resume from the last learned stage"
+    command = f"add `{' '.join(args)}` to this run's fit command{lists if step.per_stage else ''}"
+    return f"{how} with a smaller step between lengths: {command}"
 
 
 def group_counts(record, words: int, success: float) -> dict[str, float]:

@@ -8,7 +8,14 @@ import pytest
 
 from interleave_data.corpus import CorpusError
 from interleave_data.curriculum import Curriculum, split_stage
-from interleave_data.curriculum_types import CurriculumSettings, Decision, StepCounts, check_lengths
+from interleave_data.curriculum_types import (
+    CurriculumSettings,
+    Decision,
+    SmallerStep,
+    StepCounts,
+    StopAdvice,
+    check_lengths,
+)
 from interleave_data.length_schedule import AdaptiveLength
 
 
@@ -96,21 +103,23 @@ def test_last_stage_learned_is_done_and_stops_only_when_asked():
 def test_raise_temperature_up_to_the_cap_then_stop():
     curriculum = _curriculum(collapse_share=0.5, collapse_patience=2, temperature_step=0.3, max_temperature=1.5)
 
-    kinds = [(d.kind, d.temperature) for d in _feed(curriculum, [0.0] * 6, stuck=0.5)]
+    decisions = _feed(curriculum, [0.0] * 6, stuck=0.5)
 
     # 1.0 -> 1.3 -> 1.5 (capped); at the cap no raise is left
+    kinds = [(d.kind, d.temperature) for d in decisions]
     assert kinds[1::2] == [("raise_temperature", 1.3), ("raise_temperature", 1.5), ("stop", None)]
-    why, advice = curriculum.state.stopped.split(" What to change: ")
-    assert "max_temperature=1.5" in why and "temperature" not in advice  # the cap's stop asks for no hotter sampling
+    advice = decisions[-1].advice
+    assert "max_temperature=1.5" in advice.why
+    assert not any("temperature" in change for change in advice.others)  # the cap's stop asks for no hotter sampling
 
 
 def test_collapse_responses_are_capped_per_length():
     curriculum = _curriculum(collapse_patience=1, temperature_step=0.1, max_temperature=5.0, max_collapse_responses=2)
 
-    kinds = [d.kind for d in _feed(curriculum, [0.0] * 3, stuck=1.0)]
+    decisions = _feed(curriculum, [0.0] * 3, stuck=1.0)
 
-    assert kinds == ["raise_temperature", "raise_temperature", "stop"]
-    assert "2 responses at this length did not help" in curriculum.state.stopped
+    assert [d.kind for d in decisions] == ["raise_temperature", "raise_temperature", "stop"]
+    assert "2 responses at this length did not help" in decisions[-1].advice.why
     assert curriculum.state.responses == {4: 3}
 
 
@@ -122,25 +131,44 @@ def test_step_back_moves_to_the_previous_stage_and_stops_at_the_first():
     assert (back.kind, back.stage_index, back.export_words) == ("step_back", 0, None)
     (stop,) = _feed(curriculum, [0.0], stuck=1.0)
 
-    assert stop.kind == "stop" and stop.stop and "no earlier stage" in curriculum.state.stopped
-    assert [h["kind"] for h in curriculum.state.history] == ["advance", "step_back", "stop"]
+    assert stop.kind == "stop" and stop.stop and "no earlier stage" in stop.advice.why
+    assert [h["kind"] for h in curriculum.state.history] == ["advance", "step_back"]  # the stop: once it is worded
 
 
-def test_stop_response_names_the_last_learned_stage_when_exports_exist():
+def test_a_stop_is_data_until_the_run_words_it_and_records_the_line():
+    curriculum = _curriculum(collapse_patience=1, on_collapse="stop")
+    (stop,) = _feed(curriculum, [0.0], stuck=1.0)
+    assert (stop.message, curriculum.state.stopped, curriculum.state.history) == ("", None, [])
+
+    counts = StepCounts(0.0, 1.0, 1.0, 1.0, 1.0, batch=0, next_batch=2, global_step=1)
+    line = curriculum.record_stop("curriculum: stopping, the words the run gave it.", counts)
+
+    assert line == "stop: 4 -> 4 words at step 1 (curriculum: stopping, the words the run gave it.)"
+    assert curriculum.state.stopped == "curriculum: stopping, the words the run gave it."
+    assert curriculum.state.history == [
+        {"kind": "stop", "from_words": 4, "to_words": 4, "batch": 0, "global_step": 1, "why": curriculum.state.stopped}
+    ]
+
+
+def test_a_collapse_stop_advises_resuming_from_the_last_learned_stage_then_a_response():
     curriculum = _curriculum(threshold=0.5, patience=1, min_steps=0, collapse_patience=1, on_collapse="stop")
-    curriculum.exports = "run/stages"
 
     _feed(curriculum, [0.9])
     (stop,) = _feed(curriculum, [0.0], stuck=1.0)
 
-    assert stop.kind == "stop" and "on_collapse is 'stop'" in stop.message
-    assert "--model.base.init_from run/stages/4words" in curriculum.state.stopped
-    assert "; or a response to a collapse instead of the stop (on_collapse: raise_temperature or step_back);" in (
-        curriculum.state.stopped
+    assert stop.advice == StopAdvice(
+        why="collapse at 8 words: stuck groups (all G rewards equal, below 0.5) made up >= 80% of the batch for 1 "
+        "batches (reward 0.000), and on_collapse is 'stop'",
+        smaller_step=SmallerStep(stages=[6, 8, 16], per_stage={}, learned_words=4),
+        others=(
+            "a response to a collapse instead of the stop (on_collapse: raise_temperature or step_back)",
+            "a supervised warm-start at 8 words (data.sft_stages, data.sft_steps)",
+        ),
     )
+    assert not stop.advice.smaller_step.rerun
     hot = _curriculum(collapse_patience=1, on_collapse="stop", max_temperature=1.0)
-    _feed(hot, [0.0], stuck=1.0, temperature=1.0)
-    assert "(on_collapse: step_back);" in hot.state.stopped  # no raise left at the temperature cap
+    (hot_stop,) = _feed(hot, [0.0], stuck=1.0, temperature=1.0)
+    assert hot_stop.advice.others[0].endswith("(on_collapse: step_back)")  # no raise left at the temperature cap
 
 
 def test_a_plateau_stops_after_plateau_steps_batches_without_a_gain_over_full_windows():
@@ -150,13 +178,13 @@ def test_a_plateau_stops_after_plateau_steps_batches_without_a_gain_over_full_wi
     decisions = _feed(curriculum, [1.0, 0.5, 0.5, 0.5, 0.5])
 
     assert [d.kind for d in decisions] == ["none"] * 4 + ["stop"] and decisions[-1].stop
-    assert curriculum.state.stopped == (
-        "curriculum: stopping, no gain over 0.01 in the rolling reward at 4 words for 3 batches, the plateau_steps "
-        "(now 0.500, best 0.750). What to change: rerun with a smaller step between lengths: add "
-        "`--data.stages '[2, 4, 8, 16]'` to this run's fit command; or a supervised warm-start at 4 words "
-        "(data.sft_stages, data.sft_steps)."
+    assert decisions[-1].advice == StopAdvice(
+        why="no gain over 0.01 in the rolling reward at 4 words for 3 batches, the plateau_steps (now 0.500, best "
+        "0.750)",
+        smaller_step=SmallerStep(stages=[2, 4, 8, 16], per_stage={}, learned_words=None),  # 2 inserted before 4
+        others=("a supervised warm-start at 4 words (data.sft_stages, data.sft_steps)",),
     )
-    assert decisions[-1].message == f"stop: 4 -> 4 words at step 5 ({curriculum.state.stopped})"
+    assert decisions[-1].advice.smaller_step.rerun  # the first stage stopped: nothing learned to resume from
 
 
 def test_only_a_gain_over_plateau_gain_restarts_the_plateau_count():
@@ -176,31 +204,28 @@ def test_max_stage_steps_stops_a_stage_and_each_stage_counts_its_own_batches():
     decisions = _feed(curriculum, [0.4, 0.45, 0.3, 0.3, 0.3], first=2)
 
     assert [d.kind for d in decisions] == ["none"] * 4 + ["stop"]
-    why, advice = curriculum.state.stopped.split(" What to change: ")
-    assert why.endswith("5 batches at 8 words, the stage's max_stage_steps (rolling reward now 0.300, best 0.450, "
-                        "last gain 3 batches ago).")  # fmt: skip
-    assert advice.startswith(
-        "resume from the last learned stage with a smaller step between lengths: add `--model.base.init_from "
-        "<the 4-word stage's weights> --data.sft_steps 0 --data.stages '[6, 8, 16]' "
-        "--data.curriculum.max_stage_steps '[5, 5, null]'` to this run's fit command (the per-stage lists rewritten"
+    advice = decisions[-1].advice
+    assert advice.why == ("5 batches at 8 words, the stage's max_stage_steps (rolling reward now 0.300, best 0.450, "
+                          "last gain 3 batches ago)")  # fmt: skip
+    # the 8-word stage's cap of 5 goes to the 6 words inserted before it as well
+    assert advice.smaller_step == SmallerStep([6, 8, 16], {"max_stage_steps": [5, 5, None]}, learned_words=4)
+    assert advice.others == (
+        "a larger max_stage_steps if the reward was still rising",
+        "a supervised warm-start at 8 words (data.sft_stages, data.sft_steps)",
     )
-    assert "; or a larger max_stage_steps if the reward was still rising; or a supervised warm-start" in advice
 
 
-def test_the_stop_names_a_command_that_resumes_with_a_length_between_the_learned_stage_and_this_one():
+def test_the_stop_advises_resuming_with_a_length_between_the_learned_stage_and_this_one():
     thresholds = [0.9, 0.9, 0.85, 0.8]
     settings = {"threshold": thresholds, "patience": 1, "min_steps": 0, "plateau_steps": 2}
     curriculum = _curriculum((10, 25, 50, 100), **settings)
-    curriculum.exports = "run/stages"
 
-    _feed(curriculum, [0.95, 0.95, 0.5, 0.5, 0.5])  # 10 and 25 words learned, then no gain at 50
+    stop = _feed(curriculum, [0.95, 0.95, 0.5, 0.5, 0.5])[-1]  # 10 and 25 words learned, then no gain at 50
 
-    command = "--model.base.init_from run/stages/25words --data.sft_steps 0 --data.stages '[37, 50, 100]' " \
-              "--data.curriculum.threshold '[0.85, 0.85, 0.8]'"  # fmt: skip
-    assert f"add `{command}` to this run's fit command" in curriculum.state.stopped
-    assert "\n" not in curriculum.state.stopped
-    # the command's lists fit together: a curriculum takes them as they are
-    resumed = Curriculum([37, 50, 100], settings=CurriculumSettings(threshold=[0.85, 0.85, 0.8]))
+    step = stop.advice.smaller_step
+    assert step == SmallerStep(stages=[37, 50, 100], per_stage={"threshold": [0.85, 0.85, 0.8]}, learned_words=25)
+    # the advised lists fit together: a curriculum takes them as they are
+    resumed = Curriculum(step.stages, settings=CurriculumSettings(**step.per_stage))
     assert resumed.thresholds == [0.85, 0.85, 0.8]
 
 
@@ -227,14 +252,13 @@ def test_under_the_adaptive_schedule_a_longer_length_is_a_gain_and_each_mileston
     assert "stop" not in kinds and kinds.count("milestone") == 2 and curriculum.stage_words == 50
     assert curriculum.state.steps == 30 - 1 - kinds.index("milestone", 1)  # counted from the last milestone on
     # at the target the length holds, and the reward does not rise: two batches, then the stop
-    assert [d.kind for d in feed([0.5] * 3)] == ["none", "none", "stop"]
-    length = curriculum.length
-    assert f"at {length} words and no longer length towards the 50-word milestone for 2 batches" in (
-        curriculum.state.stopped
-    )
-    # the adaptive length moves in small steps already: no command inserts a milestone, which would start it higher
-    assert curriculum.state.stopped.endswith(f"What to change: a supervised warm-start at {length} words "
-                                             "(data.sft_stages, data.sft_steps).")  # fmt: skip
+    held = feed([0.5] * 3)
+    assert [d.kind for d in held] == ["none", "none", "stop"]
+    length, advice = curriculum.length, held[-1].advice
+    assert f"at {length} words and no longer length towards the 50-word milestone for 2 batches" in advice.why
+    # the adaptive length moves in small steps already: no smaller step inserts a milestone, which would start it higher
+    assert advice.smaller_step is None
+    assert advice.others == (f"a supervised warm-start at {length} words (data.sft_stages, data.sft_steps)",)
 
 
 def test_state_round_trip_mid_stage_gives_the_same_later_decisions():
@@ -259,8 +283,9 @@ def test_the_plateau_count_round_trips_and_a_state_saved_before_it_loads():
 
     restored = _curriculum(plateau_steps=4)
     restored.load_state_dict(saved)
-    assert _feed(restored, [0.6] * 3, first=3) == _feed(straight, [0.6] * 3, first=3)
-    assert restored.state == straight.state and restored.state.stopped is not None
+    decisions = _feed(restored, [0.6] * 3, first=3)
+    assert decisions == _feed(straight, [0.6] * 3, first=3) and decisions[-1].kind == "stop"
+    assert restored.state == straight.state
 
     old = {k: v for k, v in saved.items() if k not in ("best", "best_words", "since_best")}  # written before them
     before = _curriculum(plateau_steps=4)

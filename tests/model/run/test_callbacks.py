@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from interleave_data.curriculum import Curriculum
-from interleave_data.curriculum_types import CurriculumSettings
+from interleave_data.curriculum_types import CurriculumSettings, SmallerStep, StopAdvice
 from interleave_model.algorithm.dynamic_sampling import DynamicSampling, concat, refill, select_groups
 from interleave_model.algorithm.records import StepRecord, Trajectory
 from interleave_model.algorithm.rewards import RewardFunction
@@ -26,7 +26,7 @@ from interleave_model.generation.rollout import Rollout
 from interleave_model.model.checkpoint import load_initial_weights
 from interleave_model.model.export import export
 from interleave_model.model.policy import LoraSettings, PolicyError
-from interleave_model.run.callbacks import CurriculumCallback
+from interleave_model.run.callbacks import CurriculumCallback, stop_message
 from interleave_model.run.samples import SampleDump
 from interleave_model.settings import Sampling
 
@@ -246,6 +246,68 @@ def test_collapse_stop_response(tmp_path, capsys):
 
     assert trainer.should_stop and "on_collapse is 'stop'" in cb.curriculum.state.stopped
     assert capsys.readouterr().err.splitlines() == [f"warning: {cb.curriculum.state.stopped}"]  # one line, no source
+
+
+def test_a_stop_is_worded_with_the_settings_that_go_on_from_the_exported_stage(tmp_path, monkeypatch, capsys, caplog):
+    monkeypatch.setattr(CurriculumCallback, "_export", lambda *args: None)  # the folder is named, not written
+    trainer = _Trainer(tmp_path)
+    cb = _curriculum(trainer, export=True, threshold=0.5, patience=1, min_steps=0, plateau_steps=2)
+
+    trainer.batch([cb], [GOOD], [4])  # -> 8 words from batch index 2
+    trainer.batch([cb], [GOOD], [4])  # in flight
+    for _ in range(3):  # 0.35 sets the best at 8 words; two batches without a gain stop the run
+        trainer.batch([cb], [BAD], [8])
+
+    stopped = (
+        "curriculum: stopping, no gain over 0.01 in the rolling reward at 8 words for 2 batches, the plateau_steps "
+        "(now 0.350, best 0.350). What to change: resume from the last learned stage with a smaller step between "
+        f"lengths: add `--model.base.init_from {tmp_path}/stages/4words --data.sft_steps 0 --data.stages "
+        "'[6, 8, 16]'` to this run's fit command; or a supervised warm-start at 8 words (data.sft_stages, "
+        "data.sft_steps)."
+    )
+    assert trainer.should_stop and cb.curriculum.state.stopped == stopped
+    assert cb.curriculum.state.history[-1] == {
+        "kind": "stop", "from_words": 8, "to_words": 8, "batch": 4, "global_step": 5, "why": stopped,
+    }  # fmt: skip
+    assert capsys.readouterr().err.splitlines() == [f"warning: {stopped}"]
+    assert f"curriculum stop: 8 -> 8 words at step 5 ({stopped})" in caplog.text
+
+
+WARM_START = "a supervised warm-start at 4 words (data.sft_stages, data.sft_steps)"
+
+
+@pytest.mark.parametrize(
+    ("step", "others", "exports", "what_to_change"),
+    [
+        (
+            SmallerStep([2, 4, 8, 16], {}, learned_words=None), (WARM_START,), "run/stages",
+            "rerun with a smaller step between lengths: add `--data.stages '[2, 4, 8, 16]'` to this run's fit "
+            f"command; or {WARM_START}.",
+        ),
+        (
+            SmallerStep([37, 50, 100], {"threshold": [0.85, 0.85, 0.8]}, learned_words=25), (WARM_START,), "run/stages",
+            "resume from the last learned stage with a smaller step between lengths: add `--model.base.init_from "
+            "run/stages/25words --data.sft_steps 0 --data.stages '[37, 50, 100]' --data.curriculum.threshold "
+            "'[0.85, 0.85, 0.8]'` to this run's fit command (the per-stage lists rewritten for these stages; one "
+            f"value applies to every stage); or {WARM_START}.",
+        ),
+        (
+            SmallerStep([6, 8, 16], {"max_stage_steps": [5, 5, None]}, learned_words=4),
+            ("a larger max_stage_steps if the reward was still rising", WARM_START), None,
+            "resume from the last learned stage with a smaller step between lengths: add `--model.base.init_from "
+            "<the 4-word stage's weights> --data.sft_steps 0 --data.stages '[6, 8, 16]' "
+            "--data.curriculum.max_stage_steps '[5, 5, null]'` to this run's fit command (the per-stage lists "
+            "rewritten for these stages; one value applies to every stage); or a larger max_stage_steps if the "
+            f"reward was still rising; or {WARM_START}.",
+        ),
+        (None, (WARM_START,), "run/stages", f"{WARM_START}."),
+    ],
+)  # fmt: skip
+def test_stop_message_words_the_advice_as_one_line_with_the_settings_to_add(step, others, exports, what_to_change):
+    advice = StopAdvice("no gain at 4 words", step, others)
+
+    said = stop_message(advice, exports)
+    assert said == f"curriculum: stopping, no gain at 4 words. What to change: {what_to_change}"
 
 
 def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
