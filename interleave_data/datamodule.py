@@ -113,6 +113,7 @@ class InterleaveDataModule(LightningDataModule):
         self._usable: dict[int, list[Text]] = {}  # length -> train texts at least that long
         # training batches handed to the training step: counted here, checkpointed here (`batches_run`)
         self._batches_run: int | None = 0
+        self.watched_lengths: set[int] = set()  # read at every check by a callback's monitor (the module sets them)
         self._curve_passes = 0  # stages passed when the last whole curve ran: one passed since owes it (checkpointed)
         self._check: tuple[int, list[int]] | None = None  # (batches run, lengths) of the check under way
 
@@ -360,8 +361,9 @@ class InterleaveDataModule(LightningDataModule):
         Every one outside fit (validate, test), with `eval_every_length`, at the first check after a stage is passed,
         at the warm start's last check (the curve GRPO's gains are read against), and at the check that ends fit (at
         `max_steps`, or once the run has been told to stop: the curriculum's last stage or a stop); else those whose
-        score decides something (`held_out.deciding_lengths`). Chosen once per check, as its first length is asked
-        for, so every length of a check is asked of the same state.
+        score decides something (`held_out.deciding_lengths`) and those a callback monitors (`watched_lengths`: a
+        checkpoint kept by `val/alignment_25w` reads it at every check). Chosen once per check, as its first length is
+        asked for, so every length of a check is asked of the same state.
         """
         trainer = self.trainer
         if self.eval_every_length or trainer is None or trainer.state.fn != "fit":
@@ -374,7 +376,7 @@ class InterleaveDataModule(LightningDataModule):
             whole = ending or grpo_starts or passes > self._curve_passes
             if whole and not trainer.sanity_checking:  # a sanity check runs a batch or two: it shows no curve
                 self._curve_passes = passes
-            deciding = deciding_lengths(self.curriculum, self.batches_run, self.sft_stages)
+            deciding = deciding_lengths(self.curriculum, self.batches_run, self.sft_stages) | self.watched_lengths
             self._check = self.batches_run, checked_lengths(self.eval_lengths, deciding, whole)
         return self._check[1]
 

@@ -23,7 +23,7 @@ from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFu
 from interleave_model.algorithm.schedule import phase_learning_rate
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.update import policy_backward, target_backward
-from interleave_model.evaluation.evaluator import Evaluator
+from interleave_model.evaluation.evaluator import Evaluator, monitored_lengths
 from interleave_model.evaluation.hooks import HeldOutEvaluation
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
@@ -209,6 +209,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
             check_clipping(self.trainer.strategy, self.optimization.max_grad_norm)
         datamodule = getattr(self.trainer, "datamodule", None)
         if datamodule is not None:
+            datamodule.watched_lengths = monitored_lengths(self.trainer.callbacks)
             preflight(self, datamodule, stage)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):

@@ -243,6 +243,15 @@ def logged_scores(logged: Mapping[str, object], prefix: str = "val") -> dict[int
             if k.startswith(head) and k.endswith(tail) and k[len(head) : -len(tail)].isdigit()}  # fmt: skip
 
 
+def monitored_lengths(callbacks: Sequence[object], prefix: str = "val") -> set[int]:
+    """The lengths whose held-out measures `callbacks` monitor (a `ModelCheckpoint` or `EarlyStopping` on
+    `val/alignment_25w`): a check of fit runs them every time, or the monitor would find no value."""
+    head, tail = f"{prefix}/", metric_name(prefix, "score", 0).rsplit("0", 1)[1]
+    names = [m for m in (getattr(c, "monitor", None) for c in callbacks) if isinstance(m, str)]
+    lengths = (m[len(head) : -len(tail)].rsplit("_", 1)[-1] for m in names if m.startswith(head) and m.endswith(tail))
+    return {int(n) for n in lengths if n.isdigit()}
+
+
 def logged_values(rows: Sequence[Mapping[str, float | int]], prefix: str) -> dict[str, float]:
     """Every measure of the table as `metric_name(prefix, measure, n)`; NaNs and counts are left out."""
     values = {}

@@ -179,6 +179,16 @@ def test_metric_names_come_from_one_place_and_read_back():
     assert logged_scores(logged) == {10: 0.5, 25: 0.25} and logged_scores(logged, "test") == {50: 1.0}
 
 
+def test_the_lengths_a_callback_monitors_are_read_from_its_metric_name():
+    from types import SimpleNamespace
+
+    from interleave_model.evaluation.evaluator import monitored_lengths
+
+    monitors = ["val/alignment_25w", "val/exact_match_100w", "test/alignment_50w", "train/reward_mean", "val/x", None]
+    callbacks = [SimpleNamespace(monitor=m) for m in monitors] + [object()]
+    assert monitored_lengths(callbacks) == {25, 100}
+
+
 def test_a_lora_policys_evaluation_draws_from_a_merged_copy_freed_at_its_end(make_module, make_datamodule, monkeypatch):
     """Validation, test and predict of a LoRA policy draw from one merged copy each, freed when they end."""
     import lightning as L

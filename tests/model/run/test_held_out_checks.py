@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from interleave_data.curriculum_types import CurriculumSettings
 from interleave_data.length_schedule import AdaptiveLength
@@ -27,9 +28,9 @@ class _Checks(L.Callback):
         self.seconds.append(float(trainer.callback_metrics["time/val_s"]))
 
 
-def _climb(make_module, make_datamodule, eval_every_length: bool):
+def _climb(make_module, make_datamodule, eval_every_length: bool, callbacks: tuple = ()):
     """Milestones 3, 4 and 6 words (6 gated out of reach), a 3-step warm start on 2 and 3 words, held-out checks every
-    2 steps to step 10. Returns the checks and the curriculum's history."""
+    2 steps to step 10; `callbacks` join the run. Returns the checks and the curriculum's history."""
     module = make_module()
     settings = CurriculumSettings(adaptive=AdaptiveLength(), val_threshold=[0.0, 0.0, 1.0])
     dm = make_datamodule(module.tokenizer, stages=(3, 4, 6), eval_stages=(2, 3, 4, 6), sft_stages=(2, 3),
@@ -37,8 +38,8 @@ def _climb(make_module, make_datamodule, eval_every_length: bool):
     checks = _Checks()
     trainer = L.Trainer(
         accelerator="cpu", max_steps=10, val_check_interval=2, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[checks, CurriculumCallback(export=False)],
+        logger=False, enable_checkpointing=bool(callbacks), enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[checks, CurriculumCallback(export=False), *callbacks],
     )  # fmt: skip
     trainer.fit(module, datamodule=dm)
     return checks, dm.curriculum.state.history
@@ -61,3 +62,14 @@ def test_the_milestones_pass_as_when_every_check_ran_every_length(make_module, m
         assert (step, words) == (same_step, same_words)
         assert table == {n: whole[n] for n in table}  # each length's answers, to the same pairs
     assert all(seconds > 0 for seconds in checks.seconds + every.seconds)
+
+
+def test_a_length_a_checkpoint_monitors_runs_at_every_check(make_module, make_datamodule, tmp_path):
+    """A checkpoint kept by the 2-word score (a length the climb stops checking once the warm start ends) reads a new
+    value at every check, not the last one logged (a stale score would keep or drop checkpoints)."""
+    keep = ModelCheckpoint(dirpath=tmp_path, monitor="val/alignment_2w", mode="max", save_top_k=1)
+    checks, _ = _climb(make_module, make_datamodule, eval_every_length=False, callbacks=(keep,))
+    assert [(step, sorted(table)) for step, _, table in checks.checks] == [
+        (2, [2, 3]), (4, [2, 3, 4, 6]), (6, [2, 3, 4, 6]), (8, [2, 3, 4, 6]), (10, [2, 3, 4, 6])
+    ]  # fmt: skip
+    assert keep.best_model_path and keep.best_model_score is not None
