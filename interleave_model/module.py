@@ -21,7 +21,7 @@ from interleave_model.algorithm.loss import GRPOLoss
 from interleave_model.algorithm.ranks import mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
-from interleave_model.algorithm.schedule import phase_learning_rate
+from interleave_model.algorithm.schedule import PhaseSchedule
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.update import policy_backward, target_backward
 from interleave_model.evaluation.evaluator import Evaluator
@@ -215,8 +215,12 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
             preflight(self, datamodule, stage)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
+        """AdamW and its schedule (`PhaseSchedule`), which this module steps by hand: a step's rate is set just
+        before it, by its batch's phase (`_step_optimizer`)."""
         params, opt = [p for p in self.policy.parameters() if p.requires_grad], self.optimization
-        return torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+        schedule = PhaseSchedule(optimizer, opt, self.trainer.max_steps, lambda: self.phases)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         record = None
@@ -387,11 +391,8 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     def _step_optimizer(self, loss: float, phase: str) -> dict[str, float]:
         """Step at the scheduled rate; a non-finite loss or gradient norm skips the step, which still counts
         (`StepGuard.step`, what it logs)."""
-        opt, sft_steps = self.optimization, self.phases.sft_steps if self.phases else 0
-        lr = phase_learning_rate(phase, self.global_step, self.trainer.max_steps, opt.learning_rate,
-                                 opt.sft_learning_rate, opt.warmup_steps, sft_steps, opt.lr_schedule,
-                                 self.grpo_start)  # fmt: skip
-        return self.guard.step(self.optimizers(), loss, lr)
+        self.lr_schedulers().at(phase, self.global_step)
+        return self.guard.step(self.optimizers(), loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip a step whose loss or gradient norm is not finite on any rank, else clip it (`step_guard.py` says why
