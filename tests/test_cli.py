@@ -59,6 +59,18 @@ def test_unknown_config_key_is_a_one_line_error(tmp_path, capsys):
     assert len(error) == 1 and "num_generationz" in error[0]
 
 
+@pytest.mark.parametrize("flag", ["--optimizer", "--lr_scheduler"])
+def test_the_optimizer_and_its_schedule_are_not_offered(flag, capsys):
+    """AdamW and its per-phase schedule are the model's (`model.optimization`): LightningCLI's own keys, which the
+    model would ignore, are neither in the help nor accepted."""
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    assert flag not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["fit", "--config", str(TINY_CONFIG), flag, "torch.optim.SGD"])
+    assert exit_.value.code != 0 and flag in capsys.readouterr().err
+
+
 CHOICES = ["model.loss.loss_type", "model.kl.estimator", "model.loss.scale_rewards",
            "model.loss.advantage_estimator", "model.tiny.positions", "model.optimization.lr_schedule",
            "model.rollout_engine",
