@@ -302,6 +302,7 @@ def main(args: list[str] | None = None, callbacks: list[Callback] | None = None)
         trainer_class=InterleaveTrainer,
         args=args,
         save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,  # no `optimizer:` / `lr_scheduler:`: AdamW and its schedule are the model's
         trainer_defaults=defaults | ({"callbacks": callbacks} if callbacks else {}),
     )
 

@@ -17,10 +17,11 @@ from interleave_data.prompts import TemplateName
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.completions import chunked_completion_logprobs
 from interleave_model.algorithm.dynamic_sampling import refill
+from interleave_model.algorithm.loss import GRPOLoss
 from interleave_model.algorithm.ranks import mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
-from interleave_model.algorithm.schedule import phase_learning_rate
+from interleave_model.algorithm.schedule import PhaseSchedule
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.update import policy_backward, target_backward
 from interleave_model.evaluation.evaluator import Evaluator, monitored_lengths
@@ -154,6 +155,8 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         if base.init_from is not None:
             load_initial_weights(self.policy, base.init_from)
         prepare_for_training(self.policy, base.disable_dropout, base.gradient_checkpointing)
+        # the clipped policy term, the KL term and their normaliser, called with a micro-batch's tensors
+        self.grpo_loss = GRPOLoss.from_settings(loss, self.kl, loss.max_completion_length or sampling.max_new_tokens)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
         self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
@@ -213,8 +216,12 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
             preflight(self, datamodule, stage)  # bad input is one line now, not after the warm-start
 
     def configure_optimizers(self):
+        """AdamW and its schedule (`PhaseSchedule`), which this module steps by hand: a step's rate is set just
+        before it, by its batch's phase (`_step_optimizer`)."""
         params, opt = [p for p in self.policy.parameters() if p.requires_grad], self.optimization
-        return torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+        optimizer = torch.optim.AdamW(params, lr=opt.learning_rate, weight_decay=opt.weight_decay)
+        schedule = PhaseSchedule(optimizer, opt, self.trainer.max_steps, lambda: self.phases)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
         record = None
@@ -326,16 +333,17 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     # ---------------------------------------------------------------- pieces
 
     def _policy_backward(self, trajectory: Trajectory, micro_batch_size: int | None, weight: float) -> dict:
-        """`update.policy_backward` with this run's settings; "dapo" counts the tokens of every rank (DDP then averages
-        the ranks' gradients)."""
-        loss, mask = self.loss, trajectory.completion_mask
+        """`update.policy_backward` of this run's loss; "dapo" counts the tokens of every rank (DDP then averages the
+        ranks' gradients)."""
         num_tokens = None
-        if loss.loss_type == "dapo":
-            num_tokens = self._sum_over_ranks(mask.sum().float()).clamp(min=1.0).item() / self.trainer.world_size
+        if self.grpo_loss.loss_type == "dapo":
+            tokens = self._sum_over_ranks(trajectory.completion_mask.sum().float())
+            num_tokens = tokens.clamp(min=1.0).item() / self.trainer.world_size
         return policy_backward(
-            self.policy, trajectory, loss, self.kl, self.temperature, self.sampling.num_generations, micro_batch_size,
-            self.manual_backward, weight, loss.max_completion_length or self.sampling.max_new_tokens, num_tokens,
-            self.sampler.importance_sampling_cap(trajectory.rollout),  # an engine's samples, corrected: TIS
+            self.policy, trajectory, self.grpo_loss, self.manual_backward, temperature=self.temperature,
+            num_generations=self.sampling.num_generations, micro_batch_size=micro_batch_size, weight=weight,
+            num_tokens=num_tokens,
+            importance_cap=self.sampler.importance_sampling_cap(trajectory.rollout),  # an engine's samples: TIS
         )  # fmt: skip
 
     def _measure_micro_batch(self, trajectory: Trajectory) -> None:
@@ -384,11 +392,8 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     def _step_optimizer(self, loss: float, phase: str) -> dict[str, float]:
         """Step at the scheduled rate; a non-finite loss or gradient norm skips the step, which still counts
         (`StepGuard.step`, what it logs)."""
-        opt, sft_steps = self.optimization, self.phases.sft_steps if self.phases else 0
-        lr = phase_learning_rate(phase, self.global_step, self.trainer.max_steps, opt.learning_rate,
-                                 opt.sft_learning_rate, opt.warmup_steps, sft_steps, opt.lr_schedule,
-                                 self.grpo_start)  # fmt: skip
-        return self.guard.step(self.optimizers(), loss, lr)
+        self.lr_schedulers().at(phase, self.global_step)
+        return self.guard.step(self.optimizers(), loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         """Skip a step whose loss or gradient norm is not finite on any rank, else clip it (`step_guard.py` says why

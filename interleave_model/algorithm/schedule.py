@@ -1,11 +1,17 @@
-"""Learning-rate schedule as a pure function of the step, so a resumed run needs no scheduler state."""
+"""The learning rate: `lr_factor`, a pure function of the step, and `PhaseSchedule`, the optimizer's scheduler that
+holds each phase's rate; a function of the step, so a resumed run needs no scheduler state."""
 
 from __future__ import annotations
 
 import math
-from typing import get_args
+from collections.abc import Callable
+from typing import Any, Protocol, get_args
 
-from interleave_model.loss_settings import LrSchedule
+import torch
+from torch.optim.lr_scheduler import LRScheduler
+from typing_extensions import override
+
+from interleave_model.loss_settings import LrSchedule, Optimization
 
 SCHEDULES = get_args(LrSchedule)
 
@@ -32,25 +38,73 @@ def lr_factor(
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def phase_learning_rate(
-    phase: str,
-    step: int,
-    max_steps: int,
-    learning_rate: float,
-    sft_learning_rate: float,
-    warmup_steps: int,
-    sft_steps: int,
-    lr_schedule: LrSchedule,
-    grpo_start: int | None = None,
-) -> float:
-    """The learning rate at `step`: each phase has its own schedule.
+class Phases(Protocol):
+    """Where the phases lie (the data's `Curriculum`): `sft_steps` warm-start steps planned, GRPO from `grpo_start`
+    (earlier where a held-out score ended the warm start)."""
 
-    The SFT phase ("sft") decays by a cosine over its `sft_steps`; GRPO warms up again from where SFT ended
-    (`grpo_start`, which is `sft_steps` unless the warm-start ended early) and follows `lr_schedule` to `max_steps`.
-    The other arguments are `InterleaveGRPO`'s of the same names.
+    @property
+    def sft_steps(self) -> int: ...
+
+    @property
+    def grpo_start(self) -> int: ...
+
+
+class PhaseSchedule(LRScheduler):
+    """The learning rate of each phase, as the optimizer's scheduler, built once from `model.optimization`.
+
+    The warm start ("sft") decays by a cosine over its `sft_steps` from `sft_learning_rate`; GRPO warms up again from
+    where the warm start ended (`grpo_start`) and follows `lr_schedule` to `max_steps` from `learning_rate`.
+
+    A step's rate is a function of the step, its phase and where the phases lie, so the scheduler keeps no state: a
+    resumed run, one from a checkpoint saved without a scheduler included, continues at the same rates, and a resume
+    that sets another rate uses it. A step's phase is its batch's, known as the batch arrives, and the curriculum may
+    end the warm start at any check, so the rate is set just before the step (`at`), not after the step before.
+
+    Args:
+        optimizer: The optimizer whose rate this sets (every parameter group the same).
+        settings: The rates, warm-up and schedule (`Optimization`).
+        max_steps: The trainer's; <= 0 (unknown) keeps the GRPO phase flat after its warm-up.
+        phases: Where the phases lie now; None (no curriculum) = GRPO from step 0.
     """
-    if phase == "sft":
-        return sft_learning_rate * lr_factor(step, warmup_steps, sft_steps, "cosine")
-    start = sft_steps if grpo_start is None else grpo_start
-    step, total = step - start, max_steps - start
-    return learning_rate * lr_factor(max(step, 0), warmup_steps, total, lr_schedule)
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        settings: Optimization,
+        max_steps: int,
+        phases: Callable[[], Phases | None],
+    ) -> None:
+        self.settings, self.max_steps, self.phases = settings, max_steps, phases
+        self.phase = "grpo"
+        super().__init__(optimizer)
+
+    def rate(self, phase: str, step: int) -> float:
+        """The learning rate of optimizer step `step` (0-based: Lightning's `global_step` before it) in `phase`."""
+        opt, phases = self.settings, self.phases()
+        sft_steps, grpo_start = (0, 0) if phases is None else (phases.sft_steps, phases.grpo_start)
+        if phase == "sft":
+            return opt.sft_learning_rate * lr_factor(step, opt.warmup_steps, sft_steps, "cosine")
+        step, total = step - grpo_start, self.max_steps - grpo_start
+        return opt.learning_rate * lr_factor(max(step, 0), opt.warmup_steps, total, opt.lr_schedule)
+
+    def at(self, phase: str, step: int) -> float:
+        """Set the rate of optimizer step `step` in `phase`, before that step; the rate."""
+        self.phase, self.last_epoch = phase, step
+        lr = self.rate(phase, step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self._last_lr = [lr] * len(self.optimizer.param_groups)
+        return lr
+
+    @override
+    def get_lr(self) -> list[float]:
+        return [self.rate(self.phase, self.last_epoch)] * len(self.optimizer.param_groups)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the step and the phases are the trainer's and the curriculum's, which their checkpoints restore."""
+        return {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Nothing to restore (`state_dict`)."""

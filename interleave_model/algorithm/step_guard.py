@@ -70,13 +70,11 @@ class StepGuard:
             self.clipped = self.norm > max_norm
         self._dropped = False
 
-    def step(self, optimizer: torch.optim.Optimizer, loss: float, lr: float) -> dict[str, float]:
-        """Set the rate `lr` and step; a non-finite `loss` skips the step (`skip`), as `before_step` skips a
-        non-finite gradient norm. Returns what the step logs: the steps skipped so far, and unless it skipped its
+    def step(self, optimizer: torch.optim.Optimizer, loss: float) -> dict[str, float]:
+        """Step at the rate the schedule has set; a non-finite `loss` skips the step (`skip`), as `before_step` skips
+        a non-finite gradient norm. Returns what the step logs: the steps skipped so far, and unless it skipped its
         rate, whether it was clipped and its gradient norm."""
-        skipped = self.skipped
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        skipped, lr = self.skipped, optimizer.param_groups[0]["lr"]
         if not math.isfinite(loss):
             self.skip(optimizer)
         optimizer.step()  # Lightning's on_before_optimizer_step calls `before_step` inside

@@ -16,31 +16,30 @@ from transformers import PreTrainedTokenizerBase
 
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.completions import completion_logits, completion_logprobs, row_chunks
-from interleave_model.algorithm.kl import kl_loss
+from interleave_model.algorithm.loss import GRPOLoss
 from interleave_model.algorithm.records import Trajectory
 from interleave_model.algorithm.supervised import sft_inputs
-from interleave_model.loss_settings import Kl, Loss
 
 
 def policy_backward(
     policy: torch.nn.Module,
     trajectory: Trajectory,
-    loss: Loss,
-    kl: Kl,
+    loss: GRPOLoss,
+    backward: Callable[[Tensor], None],
+    *,
     temperature: float,
     num_generations: int,
     micro_batch_size: int | None,
-    backward: Callable[[Tensor], None],
     weight: float = 1.0,
-    max_completion_length: int | None = None,
     num_tokens: float | None = None,
     importance_cap: float | None = None,
 ) -> dict[str, float]:
-    """Backward of `weight` times the clipped policy loss plus `kl.beta` times the KL term (where the trajectory has
-    reference log-probs), on `trajectory` with its advantages.
+    """Backward of `weight` times `loss` (the clipped policy term, plus the KL term where the trajectory has reference
+    log-probs) on `trajectory` with its advantages.
 
     Args:
-        max_completion_length, num_tokens: The aggregation's constants (`grpo.aggregate`).
+        temperature, num_generations: How the policy scores the completions (`completion_logprobs`).
+        num_tokens: "dapo"'s normaliser (`GRPOLoss`).
         importance_cap: Where the rollout came from another engine, its log-probs correct the policy term, truncated
             at this cap (TIS, `grpo.truncated_importance_weights`); None = no correction.
 
@@ -51,8 +50,6 @@ def policy_backward(
     """
     mask = trajectory.completion_mask.float()  # [N, C]
     n_rows, total_tokens = mask.shape[0], mask.sum().clamp(min=1.0)
-    aggregation = {"loss_type": loss.loss_type, "max_completion_length": max_completion_length,
-                   "num_tokens": num_tokens}  # fmt: skip
     totals = {"loss": 0.0, "pg_loss": 0.0, "clip_frac": 0.0, "entropy": 0.0}
     reference, engine = trajectory.ref_logprobs, trajectory.rollout.logprobs  # [N, C] each, or None
     if reference is not None:
@@ -67,21 +64,16 @@ def policy_backward(
         weights = None
         if importance_cap is not None:
             weights = grpo.truncated_importance_weights(old, engine[rows], importance_cap)
-        out = grpo.policy_loss(logprobs, old, trajectory.advantages[rows], mask[rows], loss.epsilon,
-                               loss.epsilon_high, importance_weights=weights, **aggregation)  # fmt: skip
-        term = out.loss
-        # the chunk's share of the whole-batch aggregate: its rows for sequence-level losses ("dapo" divides by the
-        # batch's token count already)
-        share = 1.0 if loss.loss_type == "dapo" else (rows.stop - rows.start) / n_rows
-        token_share = (mask[rows].sum() / total_tokens).item()
-        if reference is not None:  # the KL term, on the same log-probs
-            penalty = kl_loss(logprobs, reference[rows], mask[rows], kl.estimator, **aggregation)
-            term = term + kl.beta * penalty.loss
-            totals["kl"] += penalty.kl.item() * token_share
-        backward(term * share * weight)
-        totals["loss"] += term.item() * share * weight
-        totals["pg_loss"] += out.loss.item() * share
-        totals["clip_frac"] += out.clip_frac.item() * token_share
+        terms = loss(logprobs=logprobs, old_logprobs=old, advantages=trajectory.advantages[rows], mask=mask[rows],
+                     ref_logprobs=None if reference is None else reference[rows], importance_weights=weights,
+                     num_tokens=num_tokens)  # fmt: skip
+        share, token_share = loss.share(rows, n_rows), (mask[rows].sum() / total_tokens).item()
+        if terms.kl is not None:
+            totals["kl"] += terms.kl.kl.item() * token_share
+        backward(terms.loss * share * weight)
+        totals["loss"] += terms.loss.item() * share * weight
+        totals["pg_loss"] += terms.policy.loss.item() * share
+        totals["clip_frac"] += terms.policy.clip_frac.item() * token_share
         totals["entropy"] += grpo.masked_mean(entropy, mask[rows]).item() * token_share
         if engine is not None:  # `old` is the trainer's log-probs of the weights that sampled
             gap = grpo.masked_mean((old - engine[rows]).abs(), mask[rows])
