@@ -58,16 +58,27 @@ def test_load_from_checkpoint_restores_the_weights():
     assert all(torch.equal(saved[key], state[key]) for key in saved)
 
 
-def test_fit_resumes_from_it(tmp_path):
-    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
-    datamodule = InterleaveDataModule(
+def _datamodule(module: InterleaveGRPO, tmp_path: Path) -> InterleaveDataModule:
+    """The data the fixture was fitted on."""
+    return InterleaveDataModule(
         template="compact", stages=(4,), train_pairs=8, val_pairs=2, test_pairs=2, batch_size=2, eval_batch_size=2,
         sft_steps=1, tokenizer=module.tokenizer, cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
+
+
+def test_fit_resumes_from_it(tmp_path):
+    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
     trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, limit_val_batches=0,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(module, datamodule, ckpt_path=OLD)
+    trainer.fit(module, _datamodule(module, tmp_path), ckpt_path=OLD)
     assert trainer.global_step == 3
+
+
+def test_validate_runs_from_it(tmp_path):
+    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    (metrics,) = trainer.validate(module, _datamodule(module, tmp_path), ckpt_path=OLD, verbose=False)
+    assert "val/alignment_4w" in metrics
 
 
 def test_old_module_names_are_not_importable():
