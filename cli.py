@@ -19,9 +19,10 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from interleave_data.corpus import CorpusError
 from interleave_data.datamodule import InterleaveDataModule
+from interleave_model.config_keys import MovedKeyError, check_moved_keys
 from interleave_model.generation.vllm_engine import close_engines
-from interleave_model.legacy import MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.model.export import export, load_weights
+from interleave_model.model.migrations import migrated_hparams
 from interleave_model.model.policy import TINY, PolicyError
 from interleave_model.model.positions import CoupledPositionsError
 from interleave_model.model.shipped import resolve_model
@@ -178,9 +179,9 @@ class InterleaveCLI(CompatCLI):
         this command, and each value that differs from the checkpoint's is printed. A `fit` that names another model
         (base, LoRA shape, tiny shape) is refused in one line. The learning rate is a function of the step
         (`algorithm.schedule`), so a new one takes effect at once. Checkpoints written before the model's settings
-        were grouped are read in today's groups (`legacy.grouped_hparams`).
+        were grouped are read in today's groups (`migrations.migrated_hparams`).
         """
-        hparams = grouped_hparams(super().checkpoint_hparams(hparams))
+        hparams = migrated_hparams(super().checkpoint_hparams(hparams))
         config = self.config[self.config.subcommand]
         kept = {key: value for key, value in hparams.items() if key in WEIGHT_SETTINGS or key.startswith("_")}
         if isinstance(kept.get("base"), dict):

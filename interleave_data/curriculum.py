@@ -9,7 +9,7 @@ batch k is drawn at, and checkpoints `state_dict()`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from typing import get_args
 
 from interleave_data.corpus import CorpusError
@@ -366,7 +366,7 @@ class Curriculum:
         return asdict(self.state)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        self.state = self._state(**state_dict)
+        self.state = CurriculumState(**state_dict)
         if self.adaptive is not None and self.state.level is None:
             raise CorpusError(
                 "data.curriculum.adaptive: this checkpoint was trained on fixed stages; resume it without "
@@ -379,28 +379,6 @@ class Curriculum:
             return CurriculumState()
         first = self.stages[0]
         return CurriculumState(level=float(first), drawn_words=first)
-
-    @staticmethod
-    def _state(temperature: float | None = None, **state) -> CurriculumState:
-        """A state from a checkpoint's fields. Checkpoints written while the curriculum also kept the raised rollout
-        temperature hold it here; the module reads it from the checkpoint (`legacy.stored_temperature`)."""
-        return CurriculumState(**state)
-
-    def load_legacy_state(self, datamodule: dict | None = None, callback: dict | None = None) -> None:
-        """Restore from a checkpoint written before the curriculum had one owner (git 35e5889 and earlier).
-
-        It kept the stream's part in the DataModule's entry, `{"stage_index": <drawn stage>, "moves": [[from_batch,
-        index], ...]}` (moves only when pending), and the decisions' part in `checkpoint["callbacks"]
-        ["CurriculumCallback"]`: every field of `CurriculumState` down to `history`. Lightning restores the DataModule
-        first, then the callbacks, so each part is handed over as it comes.
-        """
-        if datamodule is not None:
-            drawn = datamodule["stage_index"]
-            # the old callback started from the DataModule's stage when it had no state of its own
-            self.state = CurriculumState(stage_index=drawn, drawn_index=drawn, moves=datamodule.get("moves", []))
-        if callback is not None:
-            stream = {f.name: getattr(self.state, f.name) for f in fields(CurriculumState) if f.name not in callback}
-            self.state = self._state(**callback, **stream)
 
 
 def split_stage(stages: Sequence[int], index: int) -> list[int] | None:

@@ -154,10 +154,7 @@ class InterleaveDataModule(LightningDataModule):
             return  # validate, test, predict: the schedule is fit's business, so any schedule evaluates any checkpoint
         # a checkpoint written before the count was kept here resumes at the trainer's global step (`batches_run`)
         self._batches_run = state_dict.get("batches_run")
-        if "curriculum" in state_dict:
-            self.curriculum.load_state_dict(state_dict["curriculum"])
-        else:  # written before the curriculum had one owner; CurriculumCallback hands over the rest
-            self.curriculum.load_legacy_state(datamodule=state_dict)
+        self.curriculum.load_state_dict(state_dict["curriculum"])
         # a checkpoint written before the count was kept owes no curve: the stages it passed were seen when passed
         self._curve_passes = state_dict.get("curve_passes", stages_passed(self.curriculum.state.history))
         self._check = None

@@ -29,14 +29,16 @@ from interleave_model.evaluation.hooks import HeldOutEvaluation
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
 from interleave_model.groups import GROUPS, TERMS, as_group, check_groups, typed
-from interleave_model.legacy import checkpoint_groups, old_paths, resumed_temperature
 from interleave_model.loss_settings import K1_WARNING, Guidance, Kl, Loss, Optimization
 from interleave_model.model.checkpoint import (
+    checkpoint_groups,
     frozen_weight_keys,
     load_initial_weights,
     restore_run_state,
+    resumed_temperature,
     save_run_state,
 )
+from interleave_model.model.migrations import migrate
 from interleave_model.model.policy import (
     as_reference,
     base_from_disk,
@@ -64,11 +66,6 @@ from interleave_model.settings import (
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
 warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-
-# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
-# their paths and under the ones they had before their modules moved into subpackages (legacy.py)
-_SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
-torch.serialization.add_safe_globals([*_SETTINGS, *old_paths(_SETTINGS)])
 
 
 class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
@@ -172,7 +169,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     @classmethod
     def load_from_checkpoint(cls, checkpoint_path, *args, **kwargs) -> InterleaveGRPO:
         """Lightning's `load_from_checkpoint`; a checkpoint written before the settings were grouped loads too: its
-        flat settings go into their groups (`legacy.checkpoint_groups`); keyword arguments still win."""
+        flat settings go into their groups (`checkpoint.checkpoint_groups`); keyword arguments still win."""
         return super().load_from_checkpoint(checkpoint_path, *args, **(checkpoint_groups(checkpoint_path) | kwargs))
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
@@ -272,6 +269,8 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
             checkpoint["micro_batch_size"] = self.micro_batch_size  # a resumed run takes what was measured
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        # first: Lightning restores the DataModule's and the callbacks' entries after this hook, in today's layout
+        migrate(checkpoint)
         self.temperature = resumed_temperature(checkpoint, self.sampling.temperature)
         if self.optimization.micro_batch_size == "auto" and "micro_batch_size" in checkpoint:
             self.micro_batch_size, self._micro_batch_measured = checkpoint["micro_batch_size"], True

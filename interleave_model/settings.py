@@ -35,10 +35,10 @@ model:
 The string choices are `Literal`s (`TinyPositions` here; `KlEstimator`, `LossType`, `ScaleRewards`,
 `AdvantageEstimator`, `LrSchedule` in `loss_settings.py`), so a typo fails when the config is parsed. Checkpoints
 written before the groups existed hold them flat (`model_name_or_path`, `temperature`, `eval_num_samples`, ...), and
-older ones hold the auxiliary terms' settings in `loss` (`beta`, `guidance`, ...); `legacy.grouped_hparams` puts them
-into today's groups and drops the settings removed since, one line each. The classes also stay importable from the
-modules that held them before (`model.policy.LoraSettings`), by which older checkpoints name them
-(`legacy.old_paths`).
+older ones hold the auxiliary terms' settings in `loss` (`beta`, `guidance`, ...); `model/migrations.py` puts them
+into today's groups and drops the settings removed since, one line each. Older checkpoints name the pickled classes
+by the modules that held them before (`model.policy.LoraSettings`); `model/checkpoint.py` maps those names to these
+classes when a checkpoint loads (`migrations.old_paths`).
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def family(request, family_folders) -> tuple[str, Path]:
 def flat_settings(hparams: dict) -> dict:
     """A checkpoint's grouped hyperparameters written as the code before the groups wrote them (git 35e5889)."""
     from interleave_model.groups import GROUPS, TERMS
-    from interleave_model.legacy import FLAT_NAMES, LOSS_MOVED
+    from interleave_model.model.migrations import FLAT_NAMES, LOSS_MOVED
 
     flat = {key: value for key, value in hparams.items() if key not in GROUPS | TERMS}
     for old, (group, name) in FLAT_NAMES.items():

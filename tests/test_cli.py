@@ -12,6 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from cli import main, run
 from interleave_model.algorithm.rewards import AlignmentReward, RewardFunction
+from interleave_model.model.migrations import CHECKPOINT_VERSION
 from tests.conftest import TINY_CONFIG, flat_settings
 
 GPU_CONFIG = Path(__file__).parents[1] / "configs" / "llama-3.2-3b.yaml"
@@ -177,12 +178,13 @@ def test_any_schedule_evaluates_a_checkpoint_the_schedule_and_its_gates_are_fits
 def test_a_checkpoint_naming_a_removed_setting_loads_resumes_and_exports(fitted, tmp_path, caplog, monkeypatch):
     """`model.optimization.sft_steps` (now the data's alone), `model.loss.credit`, guidance's `loss` and the
     `reference_in_group` group (removed) in a CLI run's checkpoint: each dropped in one line."""
-    from interleave_model import legacy
+    from interleave_model.model import migrations
     from interleave_model.module import InterleaveGRPO
 
-    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
+    monkeypatch.setattr(migrations, "TOLD", set())  # a fresh process
     _, fit_root = fitted
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
+    del checkpoint[CHECKPOINT_VERSION]  # written before the layout's version was stamped
     checkpoint["hyper_parameters"]["optimization"]["sft_steps"] = 2
     checkpoint["hyper_parameters"]["loss"]["credit"] = "word"
     checkpoint["hyper_parameters"]["guidance"] = {"weight": 0.5, "final": 0.0, "decay_steps": 0, "loss": "phi"}
@@ -243,6 +245,7 @@ def test_a_checkpoint_with_flat_settings_resumes_and_validates_with_them(fitted,
 
     _, fit_root = fitted
     checkpoint = torch.load(sorted(fit_root.glob("**/checkpoints/*.ckpt"))[-1], weights_only=False)
+    del checkpoint[CHECKPOINT_VERSION]  # written before the layout's version was stamped
     checkpoint["hyper_parameters"] = flat_settings(checkpoint["hyper_parameters"])
     checkpoint["hyper_parameters"]["top_k"] = 7  # a value no config below names
     old = tmp_path / "flat.ckpt"

@@ -15,6 +15,7 @@ import torch
 
 from cli import main
 from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.model.migrations import CHECKPOINT_VERSION
 from tests.conftest import TINY_CONFIG, flat_settings
 
 # threshold 0 and patience 1: the 4-word stage ends after its min_steps=2 GRPO batches (batches 2 and 3, after the
@@ -62,6 +63,7 @@ def _legacy(checkpoint: dict) -> dict:
                                                                           # the model's settings, flat (no groups)
     """
     old = copy.deepcopy(checkpoint)
+    del old[CHECKPOINT_VERSION]  # written before the layout's version was stamped
     old["hyper_parameters"] = flat_settings(old["hyper_parameters"])
     state = old["InterleaveDataModule"].pop("curriculum")
     drawn, moves = state.pop("drawn_index"), state.pop("moves")

@@ -1,1 +1,2 @@
-"""Build the policy (the tiny Llama or a model folder, LoRA, the reference), save its run state, export it."""
+"""Build the policy (the tiny Llama or a model folder, LoRA, the reference), save its run state, bring older
+checkpoints to today's layout, export it."""

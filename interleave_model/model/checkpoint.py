@@ -1,7 +1,9 @@
-"""Checkpoint files: atomic writes, and the weights of an earlier run for `init_from`.
+"""Checkpoint files: atomic writes, what a resumed run needs beyond the weights, and the weights of an earlier run for
+`init_from`.
 
 A checkpoint is written next to its final name and renamed into place, so a run killed at any moment (SIGKILL
-included) leaves either the previous complete file or the new complete file, never a torn one.
+included) leaves either the previous complete file or the new complete file, never a torn one. Checkpoints of earlier
+layouts are brought to today's on load (`model/migrations.py`).
 """
 
 from __future__ import annotations
@@ -18,16 +20,25 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from interleave_data.atomic import replacing
+from interleave_model.groups import GROUPS, TERMS
+from interleave_model.model.migrations import CHECKPOINT_VERSION, VERSION, migrated_hparams, old_paths
 from interleave_model.model.policy import PolicyError, base_from_disk, frozen_copy, is_peft
+from interleave_model.settings import DynamicSampling, LoraSettings, TinyModelConfig, VllmSettings
 
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only
 # what training changes (the adapter), not a copy of the base (6 GiB in bf16 for Llama-3.2-3B) at every save.
 BASE_OMITTED = "base_weights_omitted"
 
+# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
+# their paths and under the ones they had before they moved (`migrations.old_paths`): the unpickler maps each old name
+# to today's class, importing nothing. Lightning's own loads (a resume, `load_from_checkpoint`) read them so too.
+PICKLED_SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
+torch.serialization.add_safe_globals([*PICKLED_SETTINGS, *old_paths(PICKLED_SETTINGS)])
+
 
 def safe_load(path: str | os.PathLike, what: str, mmap: bool = False) -> dict[str, Any]:
     """A checkpoint read without running code: `torch.load(weights_only=True)`, which unpickles tensors, plain
-    containers and the settings classes `interleave_model.module` registers as safe, and nothing else. A file holding
+    containers and the settings classes registered above (`PICKLED_SETTINGS`), and nothing else. A file holding
     any other object (a pickled command among them) is refused in one line naming `what`, never executed.
 
     Raises:
@@ -73,8 +84,9 @@ def save_run_state(
 
     The sampler's RNG, the global RNG (it draws LoRA's dropout masks; with it a resumed run continues them exactly)
     and the device's, and the count of skipped steps. LoRA on a base from disk (`policy.base_from_disk`) leaves the
-    frozen base weights out and says so under `BASE_OMITTED`.
+    frozen base weights out and says so under `BASE_OMITTED`. The layout's version is stamped (`migrations.migrate`).
     """
+    checkpoint[CHECKPOINT_VERSION] = VERSION
     checkpoint["sampling_rng"] = sampling_rng.get_state()
     checkpoint["torch_rng"] = torch.get_rng_state()
     if device.type == "cuda":
@@ -118,6 +130,26 @@ def restore_run_state(
     if reference is None and any(k.startswith("reference.") for k in checkpoint["state_dict"]):
         reference = frozen_copy(policy)
     return checkpoint.get("skipped_steps", 0), reference
+
+
+def resumed_temperature(checkpoint: dict[str, Any], configured: float) -> float:
+    """The rollout temperature a run resumes at: the one it was sampling at (a curriculum may have raised it), unless
+    this command configures another `model.sampling.temperature` than the checkpoint's run did: then the user's.
+
+    Args:
+        checkpoint: The checkpoint, migrated (`migrations.migrate`): the module's entry holds what it sampled at.
+        configured: This command's `model.sampling.temperature`.
+    """
+    stored = checkpoint.get("temperature")
+    sampling = (checkpoint.get("hyper_parameters") or {}).get("sampling")
+    ran_with = sampling.get("temperature") if isinstance(sampling, dict) else getattr(sampling, "temperature", None)
+    return configured if stored is None or ran_with != configured else stored
+
+
+def checkpoint_groups(path: str | os.PathLike) -> dict[str, Any]:
+    """The settings groups of a checkpoint's hyperparameters, in today's layout (`migrations.migrated_hparams`)."""
+    hparams = safe_load(path, "load_from_checkpoint", mmap=True)["hyper_parameters"]
+    return {name: value for name, value in migrated_hparams(hparams).items() if name in GROUPS | TERMS}
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:

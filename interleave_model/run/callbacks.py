@@ -102,13 +102,6 @@ class CurriculumCallback(L.Callback):
         if self.export and self._trained and self.curriculum.state.stopped is None:
             self._export(trainer, pl_module, self.curriculum.stage_words)
 
-    @override
-    def load_state_dict(self, state_dict: dict) -> None:
-        # Only checkpoints of git 35e5889 and earlier have an entry here; the DataModule has restored its part already.
-        # Outside fit (validate, test from such a checkpoint) there is no curriculum to restore.
-        if self.curriculum is not None:
-            self.curriculum.load_legacy_state(callback=state_dict)
-
     def _counts(self, record, trainer: L.Trainer, pl_module: L.LightningModule) -> tuple[StepCounts, float, int] | None:
         """This batch's rows at the current stage, summed over ranks, with the share of its groups that hold a success
         (pass@G) and the length counted; None when the batch is at another stage.

@@ -311,17 +311,6 @@ def test_replay_leaves_one_prompt_at_the_stage_and_none_at_the_first():
     assert curriculum.replayed(4) == 3 and curriculum.replayed(1) == 0
 
 
-def test_legacy_state_from_both_checkpoint_entries():
-    curriculum = _curriculum()
-    curriculum.load_legacy_state(datamodule={"stage_index": 0, "moves": [[5, 1]]})
-    callback = {"stage_index": 1, "steps": 0, "recent": [], "above": 0, "collapsed": 0, "val_score": None,
-                "temperature": 1.25, "responses": {4: 1}, "done": False, "stopped": None, "history": []}  # fmt: skip
-    curriculum.load_legacy_state(callback=callback)
-
-    assert (curriculum.state.stage_index, curriculum.state.drawn_index, curriculum.state.moves) == (1, 0, [[5, 1]])
-    assert curriculum.state.responses == {4: 1}  # its temperature the module reads (legacy.stored_temperature)
-
-
 @pytest.mark.parametrize(
     ("lengths", "message"),
     [

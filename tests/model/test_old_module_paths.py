@@ -26,6 +26,7 @@ import torch
 
 from interleave_data.datamodule import InterleaveDataModule
 from interleave_model.algorithm.dynamic_sampling import DynamicSampling
+from interleave_model.config_keys import MovedKeyError, check_moved_keys
 from interleave_model.generation.vllm_engine import VllmSettings
 from interleave_model.model.policy import LoraSettings, TinyModelConfig
 from interleave_model.module import InterleaveGRPO
@@ -49,7 +50,7 @@ def test_it_loads_with_weights_only():
 
 
 def test_load_from_checkpoint_restores_the_weights():
-    saved = torch.load(OLD, weights_only=False, map_location="cpu")["state_dict"]
+    saved = torch.load(OLD, weights_only=True, map_location="cpu")["state_dict"]
     module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
     assert module.dynamic_sampling == DynamicSampling(max_rounds=1)
     state = module.state_dict()
@@ -57,26 +58,53 @@ def test_load_from_checkpoint_restores_the_weights():
     assert all(torch.equal(saved[key], state[key]) for key in saved)
 
 
-def test_fit_resumes_from_it(tmp_path):
-    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
-    datamodule = InterleaveDataModule(
+def _datamodule(module: InterleaveGRPO, tmp_path: Path) -> InterleaveDataModule:
+    """The data the fixture was fitted on."""
+    return InterleaveDataModule(
         template="compact", stages=(4,), train_pairs=8, val_pairs=2, test_pairs=2, batch_size=2, eval_batch_size=2,
         sft_steps=1, tokenizer=module.tokenizer, cache_dir=str(tmp_path / "cache"),
     )  # fmt: skip
+
+
+def test_fit_resumes_from_it(tmp_path):
+    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
     trainer = L.Trainer(max_steps=3, logger=False, enable_checkpointing=False, limit_val_batches=0,
                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
-    trainer.fit(module, datamodule, ckpt_path=OLD)
+    trainer.fit(module, _datamodule(module, tmp_path), ckpt_path=OLD)
     assert trainer.global_step == 3
 
 
-def test_old_module_names_are_the_moved_modules():
-    """A config's `class_path: interleave_model.callbacks.CurriculumCallback` gets the class itself, not a copy."""
-    old, new = (
-        importlib.import_module("interleave_model.callbacks"),
-        importlib.import_module("interleave_model.run.callbacks"),
-    )
-    assert old is new and old.CurriculumCallback.__module__ == "interleave_model.run.callbacks"
-    assert importlib.import_module("interleave_model.vllm_engine").VllmSettings is VllmSettings
+def test_validate_runs_from_it(tmp_path):
+    module = InterleaveGRPO.load_from_checkpoint(OLD, map_location="cpu")
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path)
+    (metrics,) = trainer.validate(module, _datamodule(module, tmp_path), ckpt_path=OLD, verbose=False)
+    assert "val/alignment_4w" in metrics
+
+
+def test_old_module_names_are_not_importable():
+    """The pickled old paths are mapped where a checkpoint loads (`checkpoint.PICKLED_SETTINGS`), importing nothing."""
+    for old in ("interleave_model.callbacks", "interleave_model.vllm_engine", "interleave_model.policy"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["fit", "--trainer.callbacks+=interleave_model.callbacks.CurriculumCallback"],
+         "interleave_model.callbacks.CurriculumCallback is now interleave_model.run.callbacks.CurriculumCallback"),
+        (["fit", "--config", "{config}"],
+         "{config}: interleave_model.checkpoint.AtomicCheckpointIO is now "
+         "interleave_model.model.checkpoint.AtomicCheckpointIO"),
+    ],
+)  # fmt: skip
+def test_a_config_naming_a_class_by_its_old_path_is_refused_in_one_line_naming_the_new_one(tmp_path, args, message):
+    config = tmp_path / "old.yaml"
+    config.write_text("trainer:\n  plugins:\n    - class_path: interleave_model.checkpoint.AtomicCheckpointIO\n")
+    with pytest.raises(MovedKeyError) as raised:
+        check_moved_keys([arg.format(config=config) for arg in args])
+    assert str(raised.value) == message.format(config=config)
+    check_moved_keys(["fit", "--trainer.callbacks+=interleave_model.run.callbacks.CurriculumCallback"])  # today's
 
 
 @pytest.mark.parametrize(

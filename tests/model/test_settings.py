@@ -9,10 +9,11 @@ import lightning as L
 import pytest
 import torch
 
-from interleave_model import legacy
+from interleave_model.config_keys import MovedKeyError, check_moved_keys
 from interleave_model.groups import GROUPS, as_group
-from interleave_model.legacy import FLAT_NAMES, LOSS_MOVED, REMOVED, MovedKeyError, check_moved_keys, grouped_hparams
 from interleave_model.loss_settings import Kl, Loss, Optimization
+from interleave_model.model import migrations
+from interleave_model.model.migrations import FLAT_NAMES, LOSS_MOVED, REMOVED, migrated_hparams
 from interleave_model.module import InterleaveGRPO
 from interleave_model.settings import Evaluation, Sampling
 from tests.conftest import flat_settings
@@ -33,25 +34,25 @@ def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_n
     assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
     # settings removed since: found, then dropped; a term's (`guidance.loss`) had its flat name in `loss`: `in_loss`
-    removed = {(cls.lower(), name) for cls, name in REMOVED if cls.lower() in GROUPS}
+    removed = {(group, name) for group, name in REMOVED if group in GROUPS}
     in_loss = {("loss", name) for name in LOSS_MOVED}  # the terms' settings: into `loss`, then out to their groups
     kl = {("kl", name) for name in asdict(Kl())}  # reached through `in_loss`
     assert set(FLAT_NAMES.values()) == (fields - kl) | removed | in_loss and not fields & (removed | in_loss)
 
 
 def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog, monkeypatch):
-    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
+    monkeypatch.setattr(migrations, "TOLD", set())  # a fresh process
     with caplog.at_level("INFO"):
-        grouped = grouped_hparams({"optimization": {"sft_steps": 5, "learning_rate": 2e-4}, "seed": 1})
-        flat = grouped_hparams({"sft_steps": 5, "learning_rate": 2e-4})
+        grouped = migrated_hparams({"optimization": {"sft_steps": 5, "learning_rate": 2e-4}, "seed": 1})
+        flat = migrated_hparams({"sft_steps": 5, "learning_rate": 2e-4})
     assert grouped["optimization"] == flat["optimization"] == {"learning_rate": 2e-4} and grouped["seed"] == 1
     assert "model.optimization.sft_steps is no longer a setting, ignored (the data's data.sft_steps" in caplog.text
     with caplog.at_level("INFO"):  # a setting that lost its screen: a run saved with it loads as GRPO
-        assert grouped_hparams({"loss": {"advantage_sign": "positive", "epsilon": 0.3}})["loss"] == {"epsilon": 0.3}
+        assert migrated_hparams({"loss": {"advantage_sign": "positive", "epsilon": 0.3}})["loss"] == {"epsilon": 0.3}
     assert "model.loss.advantage_sign is no longer a setting, ignored (learning from one sign" in caplog.text
     with caplog.at_level("INFO"):  # CHORD-phi's term, grouped or still in `loss`: resumed with the plain cross-entropy
-        assert grouped_hparams({"guidance": {"weight": 0.5, "loss": "phi"}})["guidance"] == {"weight": 0.5}
-        assert grouped_hparams({"loss": {"guidance": 0.5, "guidance_loss": "phi"}})["guidance"] == {"weight": 0.5}
+        assert migrated_hparams({"guidance": {"weight": 0.5, "loss": "phi"}})["guidance"] == {"weight": 0.5}
+        assert migrated_hparams({"loss": {"guidance": 0.5, "guidance_loss": "phi"}})["guidance"] == {"weight": 0.5}
     assert caplog.text.count("model.guidance.loss is no longer a setting, ignored (CHORD-phi changed nothing") == 1
     assert caplog.text.count("model.optimization.sft_steps is no longer a setting") == 1  # read twice, said once
     with pytest.raises(TypeError):
@@ -59,21 +60,21 @@ def test_a_removed_setting_of_an_old_checkpoint_is_dropped_with_one_line(caplog,
 
 
 def test_a_removed_group_of_an_old_checkpoint_is_dropped_with_one_line_where_it_was_on(caplog, monkeypatch):
-    monkeypatch.setattr(legacy, "TOLD", set())  # a fresh process
+    monkeypatch.setattr(migrations, "TOLD", set())  # a fresh process
     with caplog.at_level("INFO"):
-        assert grouped_hparams({"seed": 1, "reference_in_group": None}) == {"seed": 1}  # off: nothing to say
+        assert migrated_hparams({"seed": 1, "reference_in_group": None}) == {"seed": 1}  # off: nothing to say
     assert "reference_in_group" not in caplog.text
     with caplog.at_level("INFO"):  # LUFFY's group, on: grouped, in `loss` as a switch, or flat; each loads as GRPO
-        grouped = grouped_hparams({"seed": 1, "reference_in_group": {"shaping_gamma": 0.1}})
-        in_loss = grouped_hparams({"loss": {"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3}})
-        flat = grouped_hparams({"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3})
+        grouped = migrated_hparams({"seed": 1, "reference_in_group": {"shaping_gamma": 0.1}})
+        in_loss = migrated_hparams({"loss": {"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3}})
+        flat = migrated_hparams({"reference_in_group": True, "shaping_gamma": 0.2, "epsilon": 0.3})
     assert grouped == {"seed": 1} and in_loss == flat == {"loss": {"epsilon": 0.3}, "kl": {}, "guidance": None}
     assert caplog.text.count("model.reference_in_group is no longer a setting, ignored (the known answer") == 1
 
 
 def test_flat_settings_go_into_their_groups_and_the_rest_stays():
     flat = {"seed": 3, "temperature": 0.7, "eval_temperature": 0.3, "beta": 0.0, "learning_rate": 2e-4, "pass_k": [1]}
-    assert grouped_hparams(flat) == {
+    assert migrated_hparams(flat) == {
         "seed": 3,
         "sampling": {"temperature": 0.7},
         "evaluation": {"temperature": 0.3, "pass_k": [1]},
@@ -86,7 +87,7 @@ def test_flat_settings_go_into_their_groups_and_the_rest_stays():
 
 def test_grouped_settings_come_back_unchanged():
     grouped = {"seed": 1, "sampling": {"num_generations": 4}, "loss": asdict(Loss()), "kl": asdict(Kl(beta=0.1))}
-    assert grouped_hparams(grouped) == grouped
+    assert migrated_hparams(grouped) == grouped
 
 
 @pytest.mark.parametrize(
@@ -105,7 +106,7 @@ def test_grouped_settings_come_back_unchanged():
     ],
 )  # fmt: skip
 def test_the_terms_settings_of_an_old_loss_go_into_their_groups(loss, terms):
-    grouped = grouped_hparams({"seed": 1, "loss": loss})
+    grouped = migrated_hparams({"seed": 1, "loss": loss})
     assert grouped == {"seed": 1, "loss": {"epsilon": 0.3}} | terms
 
 
@@ -151,6 +152,7 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
     path = tmp_path / "grouped.ckpt"
     trainer.save_checkpoint(path)
     checkpoint = torch.load(path, weights_only=False)
+    checkpoint.pop(migrations.CHECKPOINT_VERSION, None)  # written before the layout's version was stamped
     checkpoint["hyper_parameters"] = flat_settings(checkpoint["hyper_parameters"])
     assert "temperature" in checkpoint["hyper_parameters"] and "sampling" not in checkpoint["hyper_parameters"]
     torch.save(checkpoint, tmp_path / "flat.ckpt")

@@ -330,19 +330,24 @@ def test_state_round_trips_through_a_checkpoint_and_decides_the_same(tmp_path):
 
 
 def test_a_resume_samples_at_the_raised_temperature_unless_the_command_asks_for_another():
-    from interleave_model.legacy import resumed_temperature
+    from interleave_model.model.checkpoint import resumed_temperature
+    from interleave_model.model.migrations import migrate
 
     hparams = {"sampling": {"temperature": 1.0, "num_generations": 2}}
     saved = {"temperature": 1.25, "hyper_parameters": hparams}  # a curriculum raised it from the configured 1.0
     assert resumed_temperature(saved, configured=1.0) == 1.25
     assert resumed_temperature(saved, configured=0.7) == 0.7  # `--model.sampling.temperature 0.7`: the user's
     # where older checkpoints kept it: the curriculum's state (the DataModule's entry, earlier the callback's), flat
-    # settings
+    # settings; migrated on load (`InterleaveGRPO.on_load_checkpoint`)
     flat = {"temperature": 1.0, "learning_rate": 0.001}
     in_datamodule = {"InterleaveDataModule": {"curriculum": {"temperature": 1.5}}, "hyper_parameters": flat}
-    in_callback = {"callbacks": {"CurriculumCallback": {"temperature": 1.5}}, "hyper_parameters": flat}
+    in_callback = {"callbacks": {"CurriculumCallback": {"temperature": 1.5}}, "hyper_parameters": dict(flat)}
+    for old in (in_datamodule, in_callback):
+        migrate(old)
     assert resumed_temperature(in_datamodule, 1.0) == resumed_temperature(in_callback, 1.0) == 1.5
-    assert resumed_temperature({"hyper_parameters": flat}, 1.0) == 1.0  # none stored: the configured one
+    none_stored = {"hyper_parameters": flat}
+    migrate(none_stored)
+    assert resumed_temperature(none_stored, 1.0) == 1.0  # none stored: the configured one
 
 
 def test_replay_share_and_a_move_from_a_given_batch(make_datamodule):
