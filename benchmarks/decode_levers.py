@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from interleave_model.generation.merged_copy import MergedCopy
     from interleave_model.generation.rollout import sample
+    from interleave_model.generation.sampling_params import SamplingParams
     from interleave_model.model.policy import load_pretrained
     from interleave_model.model.shipped import resolve_model
 
@@ -144,9 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
     prompt_mask = torch.ones_like(prompt_ids)
     autocast = torch.autocast(device, dtype=torch.bfloat16) if args.autocast else contextlib.nullcontext()
 
+    params = SamplingParams(num_generations=args.generations, max_new_tokens=args.new_tokens, stop_ids=[-1])
+
     def rollout(model=model) -> None:
-        sample(model, prompt_ids, prompt_mask, num_generations=args.generations, max_new_tokens=args.new_tokens,
-               stop_ids=[-1], pad_token_id=0, temperature=1.0, generator=generator)  # fmt: skip
+        sample(model, prompt_ids, prompt_mask, params, generator, pad_token_id=0)
 
     def timed(run) -> float:
         run()  # warm-up

@@ -35,6 +35,7 @@ from interleave_data.pairs import build_examples, interleave, split_texts
 from interleave_data.prompts import format_prompt
 from interleave_model.evaluation.alignment import score_batch
 from interleave_model.generation.rollout import rollout
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import build_tiny_tokenizer
 
 # instruction words of the base models' tasks; "Interleave:" is the compact template's own
@@ -147,8 +148,9 @@ def held_out(model, tasks: Tasks, kind: str, lengths: list[int], pairs: int = 32
         examples = build_examples(tasks.splits["val"], n, pairs, 0, "val")
         cases = [prompt_and_answer(kind, e.a.split(), e.b.split()) for e in examples]
         encoded = tasks.tokenizer([" ".join(p) for p, _ in cases], padding=True, return_tensors="pt")
-        out = rollout(model, tasks.tokenizer, encoded["input_ids"], encoded["attention_mask"], num_generations=1,
-                      max_new_tokens=math.ceil(2 * n * 1.25) + 5, temperature=0.0)  # fmt: skip
+        params = SamplingParams(num_generations=1, max_new_tokens=math.ceil(2 * n * 1.25) + 5,
+                                stop_ids=[tasks.tokenizer.eos_token_id], temperature=0.0)  # fmt: skip
+        out = rollout(model, tasks.tokenizer, encoded["input_ids"], encoded["attention_mask"], params)
         found = score_batch(out.texts, [" ".join(a) for _, a in cases])
         scores[n] = round(sum(found) / len(found), 3)
     model.train()

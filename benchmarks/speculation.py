@@ -30,6 +30,7 @@ import argparse
 import math
 import statistics
 import time
+from dataclasses import replace
 from functools import partial
 
 import harness
@@ -84,35 +85,37 @@ def timed(draw, repeats: int) -> tuple[float, float, tuple]:
 
 def measure(args, model, tokenizer, stops, template: str, words: int) -> dict:
     from interleave_model.generation.rollout import sample, token_budget
+    from interleave_model.generation.sampling_params import SamplingParams, Speculation
     from interleave_model.generation.speculative import speculative_sample
 
     ids, mask, targets = batch(tokenizer, template, words, args.prompts)
     ids, mask = ids.to(model.device), mask.to(model.device)
-    common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))]),
-              "stop_ids": stops, "pad_token_id": tokenizer.pad_token_id, "top_p": 1.0, "top_k": 0}  # fmt: skip
+    params = SamplingParams(num_generations=args.generations, max_new_tokens=token_budget([max(map(len, targets))]),
+                            stop_ids=stops, temperature=args.temperature)  # fmt: skip
+    pad = tokenizer.pad_token_id
     if args.draft_source == "prompt":  # each prompt's own tokens, padding left out
         targets = [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
     elif args.draft_source == "greedy":  # each prompt's greedy answer, through its stop
-        answers, kept = sample(model, ids, mask, **common | {"num_generations": 1}, temperature=0.0)[:2]
+        greedy = replace(params, num_generations=1, temperature=0.0)
+        answers, kept = sample(model, ids, mask, greedy, pad_token_id=pad)[:2]
         targets = [row[m.bool()].tolist() for row, m in zip(answers, kept, strict=True)]
-    draft = {"sources": targets, "draft_tokens": args.draft_tokens, "ngram": args.ngram, "max_rows": args.max_rows}
+    drafts = replace(params, speculation=Speculation(targets, args.draft_tokens, args.ngram, args.max_rows))
     counts: dict[str, int] = {}
 
     def plain():
-        return sample(model, ids, mask, **common, temperature=args.temperature,
-                      generator=torch.Generator().manual_seed(0))  # fmt: skip
+        return sample(model, ids, mask, params, torch.Generator().manual_seed(0), pad_token_id=pad)
 
     def speculative():
         counts.clear()
-        return speculative_sample(model, ids, mask, **common, **draft, temperature=args.temperature,
-                                  generator=torch.Generator().manual_seed(0), counts=counts)  # fmt: skip
+        return speculative_sample(model, ids, mask, drafts, torch.Generator().manual_seed(0), pad_token_id=pad,
+                                  counts=counts)  # fmt: skip
 
     plain_wall, plain_cpu, plain_out = timed(plain, args.repeats)
     spec_wall, spec_cpu, spec_out = timed(speculative, args.repeats)
     greedy = [plain_out[0], spec_out[0]]  # greedy already, or drawn again greedy
     if args.temperature != 0:
-        greedy = [f(model, ids, mask, **common, temperature=0.0, **extra)[0]
-                  for f, extra in ((sample, {}), (speculative_sample, draft))]  # fmt: skip
+        greedy = [f(model, ids, mask, replace(p, temperature=0.0), pad_token_id=pad)[0]
+                  for f, p in ((sample, params), (speculative_sample, drafts))]  # fmt: skip
     tokens = int(spec_out[1].sum())
     rows = ids.shape[0] * args.generations
     row_forwards = counts["row_forwards"] + rows  # each running row's forwards, the prefill's included
@@ -143,7 +146,7 @@ def vllm_engine(model, tokenizer, stops, speculative: dict | None):
     vllm.LLM = lambda **options: make(**options, **({"speculative_config": speculative} if speculative else {}))
     try:
         settings = VllmSettings(kv_cache_memory_bytes=256 << 20, max_model_len=2048, enforce_eager=True)
-        engine = VllmEngine(model, tokenizer, None, stops, settings)
+        engine = VllmEngine(model, tokenizer, None, settings)
     finally:
         vllm.LLM = make
     engine.serve(model, version=0)
@@ -154,9 +157,11 @@ def measure_vllm(args, model, tokenizer, stops, template: str, words: int) -> di
     """vLLM's `ngram` speculation against vLLM without it: greedy answers, log-probs, rollout seconds."""
     from interleave_model.algorithm.completions import completion_logprobs
     from interleave_model.generation.rollout import token_budget
+    from interleave_model.generation.sampling_params import SamplingParams
 
     ids, mask, targets = batch(tokenizer, template, words, args.prompts)
-    common = {"num_generations": args.generations, "max_new_tokens": token_budget([max(map(len, targets))])}
+    params = SamplingParams(num_generations=args.generations, max_new_tokens=token_budget([max(map(len, targets))]),
+                            stop_ids=stops, temperature=args.temperature)  # fmt: skip
     ngram = {"method": "ngram", "num_speculative_tokens": args.draft_tokens, "prompt_lookup_min": 1,
              "prompt_lookup_max": args.ngram}  # fmt: skip
     out: dict = {"words": words, "rows": ids.shape[0] * args.generations}
@@ -164,8 +169,8 @@ def measure_vllm(args, model, tokenizer, stops, template: str, words: int) -> di
     for name, speculative in (("plain", None), ("ngram", ngram)):
         engine = vllm_engine(model, tokenizer, stops, speculative)
         try:
-            answers[name] = engine.rollout(ids, mask, **common, temperature=0.0).completion_ids
-            draw = partial(engine.rollout, ids, mask, **common, temperature=args.temperature)
+            answers[name] = engine.rollout(ids, mask, replace(params, temperature=0.0)).completion_ids
+            draw = partial(engine.rollout, ids, mask, params)
             wall, _, sampled = timed(draw, args.repeats)
         finally:
             engine.close()

@@ -128,11 +128,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         self.optimization, self.evaluation = optimization, evaluation
         self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
         self.hparams.update({name: getattr(self, name) and asdict(getattr(self, name)) for name in TERMS})
-        # the rollout temperature now, its one stored value: the configured one until the curriculum's
-        # raise_temperature response changes it (`CurriculumCallback._apply`, the one place that does); checkpointed
-        # here, so a resumed run samples as the interrupted one did, unless its command asks for another
-        # (`resumed_temperature`)
-        self.temperature = sampling.temperature
+        self.set_temperature(sampling.temperature)
         # rows per forward in the update and the supervised steps: the configured value, or with "auto" the fastest
         # here, measured at the first GRPO step (`_measure_micro_batch`) and checkpointed; one group a forward before
         auto = optimization.micro_batch_size == "auto"
@@ -271,12 +267,23 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # first: Lightning restores the DataModule's and the callbacks' entries after this hook, in today's layout
         migrate(checkpoint)
-        self.temperature = resumed_temperature(checkpoint, self.sampling.temperature)
+        self.set_temperature(resumed_temperature(checkpoint, self.sampling.temperature))
         if self.optimization.micro_batch_size == "auto" and "micro_batch_size" in checkpoint:
             self.micro_batch_size, self._micro_batch_measured = checkpoint["micro_batch_size"], True
         state = checkpoint, self.policy, self.reference, self._generator, self.device
         self.guard.skipped, self.reference = restore_run_state(*state)
         self.sampler.weights_loaded()
+
+    @property
+    def temperature(self) -> float:
+        """The rollout temperature now (and the log-probs'), set by `set_temperature` alone."""
+        return self._temperature
+
+    def set_temperature(self, temperature: float) -> None:
+        """The one place the rollout temperature is set: the configured one at the start, the one a resumed run was
+        sampling at (`resumed_temperature`), a curriculum's raise (`CurriculumCallback`). Checkpointed
+        (`on_save_checkpoint`), so a resumed run samples as the interrupted one did."""
+        self._temperature = temperature
 
     # ---------------------------------------------------------------- the algorithm
 

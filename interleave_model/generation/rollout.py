@@ -12,6 +12,7 @@ from torch import Tensor
 from interleave_model.generation.decode_step import decode_step
 from interleave_model.generation.merged_copy import GROUPED_DECODE
 from interleave_model.generation.rollout_cache import rollout_cache
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.positions import model_positions
 
 _BLOCK = 256  # tokens per block of the sampler's two-level CDF
@@ -60,19 +61,13 @@ def sample(
     model: torch.nn.Module,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_token_id: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    params: SamplingParams,
     generator: torch.Generator | None = None,
+    *,
+    pad_token_id: int,
     check_every: int = _CHECK_EVERY,
-    with_logprobs: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """Sample `num_generations` completions per prompt; temperature 0 means greedy.
+    """Sample `params.num_generations` completions per prompt; temperature 0 means greedy.
 
     The decode loop reads nothing back from the device between checks: every `check_every` steps it looks whether
     all rows have stopped (a row's tokens after its stop are pad whenever it is looked at, so the output is the same
@@ -84,21 +79,20 @@ def sample(
         model: A causal LM taking `input_ids, attention_mask, position_ids, past_key_values, use_cache`.
         prompt_ids: Left-padded prompts, [P, Lp].
         prompt_mask: 1 for real prompt tokens, [P, Lp].
-        stop_ids: Token ids that end a completion (the model's EOS ids, `policy.stop_token_ids`); a row ends at the
-            first of any of them, as HF `generate` does with a list of `eos_token_id`.
+        params: What to sample with (`params.speculation` is not read: `speculative.speculative_sample` reads it).
+        generator: The stream of the sampled draws.
         pad_token_id: Written after a row's stop token.
         check_every: Decode steps between two looks at which rows have stopped (each look is one host sync).
-        with_logprobs: Also return each sampled token's log-prob under `model` at `temperature` (as the trainer
-            scores it: softmax of the logits over the temperature, before top-k / top-p), 0 after a row's stop.
 
     Returns:
         `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G], logprobs [P*G, C] or None)`,
-        C <= max_new_tokens.
+        C <= max_new_tokens; the log-probs with `params.with_logprobs`, 0 after a row's stop.
     """
     was_training = model.training
     model.eval()  # dropout off while sampling, so the rollout is drawn from the policy being scored
     try:
-        G = num_generations
+        G, max_new_tokens, temperature = params.num_generations, params.max_new_tokens, params.temperature
+        top_p, top_k, with_logprobs = params.top_p, params.top_k, params.with_logprobs
         positions = model_positions(model, prompt_ids, prompt_mask)  # [P, Lp]
         prompt_length = prompt_ids.shape[1]
         # the grouped-decode attention reads each prompt's keys once for its group (`SharedPrefix`)
@@ -115,7 +109,7 @@ def sample(
         position = positions[:, -1:].repeat_interleave(G, dim=0)  # [R, 1]
         rows = torch.arange(n, device=logits.device)  # [R] the running rows' index in the batch
         finished = torch.zeros(n, dtype=torch.bool, device=logits.device)  # [P*G]
-        stops = torch.as_tensor(list(stop_ids), device=logits.device)  # [S]
+        stops = torch.as_tensor(list(params.stop_ids), device=logits.device)  # [S]
         pad = torch.full((n,), pad_token_id, dtype=torch.long, device=logits.device)  # [P*G]
         step_logits = decode_step(model)  # a plain Llama's step without transformers' module stack, same logits
         tokens: list[Tensor] = []
@@ -223,20 +217,15 @@ def rollout(
     tokenizer,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
-    stop_ids: Sequence[int] | None = None,
-    draw: Callable[..., tuple] | None = None,
-    **kwargs,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    draw: Callable[..., tuple] = sample,
 ) -> Rollout:
-    """`sample` (or `draw`, a sampler of its signature: `speculative.speculative_sample` with its drafts bound) plus the
-    bookkeeping the loss needs: repeated prompts and decoded texts.
-
-    `stop_ids` None means the tokenizer's EOS alone (the embedded tiny model's one stop token).
-    """
-    G = kwargs["num_generations"]
-    stop_ids = [tokenizer.eos_token_id] if stop_ids is None else list(stop_ids)
-    draw = sample if draw is None else draw
+    """`draw` (`sample`, or `speculative.speculative_sample`, which takes the same arguments) plus the bookkeeping the
+    loss needs: repeated prompts and decoded texts."""
+    G = params.num_generations
     completion_ids, completion_mask, truncated, logprobs = draw(
-        model, prompt_ids, prompt_mask, stop_ids=stop_ids, pad_token_id=tokenizer.pad_token_id, **kwargs
+        model, prompt_ids, prompt_mask, params, generator, pad_token_id=tokenizer.pad_token_id
     )
     return Rollout(
         prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
@@ -244,7 +233,7 @@ def rollout(
         completion_ids=completion_ids,
         completion_mask=completion_mask,
         truncated=truncated,
-        texts=completion_texts(tokenizer, completion_ids, stop_ids),
+        texts=completion_texts(tokenizer, completion_ids, params.stop_ids),
         logprobs=logprobs,
     )
 

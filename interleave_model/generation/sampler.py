@@ -8,7 +8,7 @@ of three.
 
 from __future__ import annotations
 
-from functools import partial
+from dataclasses import replace
 from typing import Literal
 
 import torch
@@ -16,7 +16,8 @@ from lightning.pytorch.utilities import rank_zero_info
 from transformers import PreTrainedTokenizerBase
 
 from interleave_model.generation.merged_copy import MergedCopy, fastest_copy
-from interleave_model.generation.rollout import Rollout, answer_budget, rollout, token_budget
+from interleave_model.generation.rollout import Rollout, answer_budget, rollout, sample, token_budget
+from interleave_model.generation.sampling_params import SamplingParams, Speculation
 from interleave_model.generation.speculative import speculative_sample
 from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY, is_peft
@@ -82,33 +83,48 @@ class Sampler:
         training: bool = False,
     ) -> Rollout:
         """Answers to a batch's prompts, with the configured top-p / top-k, within the budget its targets need (a
-        `training` rollout) or the held-out budget of its length (`answer_budget`).
+        `training` rollout) or the held-out budget of its length (`answer_budget`): one `SamplingParams` (`params`)
+        handed to the engine.
 
         `version` names the policy's weights (the global step): the engine (or the merged copy) takes them again
         when it changes. A `training` rollout hands the engine's KV memory to the update after sampling (sleep mode
         on a GPU), and the own sampler draws it from the merged copy when `sampling.merged_copy` is set.
         """
-        budget = self.budget(batch["target_ids"]) if training else self.eval_budget(batch)
-        kwargs = {"num_generations": num_generations, "max_new_tokens": budget, "temperature": temperature,
-                  "top_p": self.sampling.top_p, "top_k": self.sampling.top_k, "generator": generator}  # fmt: skip
-        if self.kind == "own":
-            model = self.policy
-            if training and self.sampling.merged_copy is not None:
-                self.copy = self.copy or self._merged_copy(batch, kwargs)
-                model, kwargs["with_logprobs"] = self.copy.refresh(version), True
-            elif not training:
-                model = self._held_out_model(version)
-            if self.sampling.speculative_tokens:  # drafts copied from the targets (exact whatever they are)
-                kwargs["draw"] = partial(speculative_sample, sources=batch["target_ids"],
-                                         draft_tokens=self.sampling.speculative_tokens,
-                                         ngram=self.sampling.speculative_ngram,
-                                         max_rows=self.sampling.speculative_max_rows)  # fmt: skip
-            return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], self.stop_ids, **kwargs)
-        engine = self._vllm_engine(version, rank)
-        roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], **kwargs)
-        if training:
-            engine.sleep()
-        return roll
+        params = self.params(batch, num_generations, temperature, training)
+        if self.kind == "vllm":
+            engine = self._vllm_engine(version, rank)
+            roll = engine.rollout(batch["prompt_ids"], batch["prompt_mask"], params, generator)
+            if training:
+                engine.sleep()
+            return roll
+        model = self.policy
+        if training and self.sampling.merged_copy is not None:
+            self.copy = self.copy or self._merged_copy(batch, params)
+            model = self.copy.refresh(version)
+        elif not training:
+            model = self._held_out_model(version)
+        draw = sample if params.speculation is None else speculative_sample
+        return rollout(model, self.tokenizer, batch["prompt_ids"], batch["prompt_mask"], params, generator, draw)
+
+    def params(self, batch: dict, num_generations: int, temperature: float, training: bool) -> SamplingParams:
+        """What a rollout of `batch` samples with: the settings' top-p / top-k, the budget its targets need (a
+        `training` rollout) or its length's held-out budget, the log-probs of a merged copy's tokens, and the own
+        sampler's drafts copied from the targets (exact whatever they are)."""
+        s, own = self.sampling, self.kind == "own"
+        speculation = None
+        if own and s.speculative_tokens:
+            speculation = Speculation(batch["target_ids"], s.speculative_tokens, s.speculative_ngram,
+                                      s.speculative_max_rows)  # fmt: skip
+        return SamplingParams(
+            num_generations=num_generations,
+            max_new_tokens=self.budget(batch["target_ids"]) if training else self.eval_budget(batch),
+            stop_ids=tuple(self.stop_ids),
+            temperature=temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            with_logprobs=own and training and s.merged_copy is not None,
+            speculation=speculation,
+        )
 
     def _held_out_model(self, version: int) -> torch.nn.Module:
         """The model the own sampler draws held-out answers from: a LoRA policy merged into weights of its own dtype
@@ -126,25 +142,22 @@ class Sampler:
         """An evaluation's last batch was answered: its merged copy is freed (its memory is the base model's again)."""
         self.held_out = None
 
-    def _merged_copy(self, batch: dict, kwargs: dict) -> MergedCopy:
+    def _merged_copy(self, batch: dict, params: SamplingParams) -> MergedCopy:
         """The configured merged copy; with "auto", the choice whose short rollout of this batch's first prompt runs
         fastest here (`fastest_copy`), said in one line with every choice's time and the host's spread."""
-        rows = batch["prompt_ids"].shape[0] * kwargs["num_generations"]  # a decode step's rows, the pack's hint
+        rows = batch["prompt_ids"].shape[0] * params.num_generations  # a decode step's rows, the pack's hint
         if self.sampling.merged_copy != "auto":
             return MergedCopy(self.policy, self.sampling.merged_copy, rows)
-        probe = kwargs | {
-            "max_new_tokens": min(kwargs["max_new_tokens"], AUTO_PROBE_TOKENS),
-            "generator": torch.Generator().manual_seed(0),
-        }  # the training stream's draws untouched
+        probe = replace(params, max_new_tokens=min(params.max_new_tokens, AUTO_PROBE_TOKENS), with_logprobs=True)
         ids, mask = batch["prompt_ids"][:1], batch["prompt_mask"][:1]
 
-        def draw(model):
-            return rollout(model, self.tokenizer, ids, mask, self.stop_ids, **probe, with_logprobs=True)
+        def draw(model):  # a generator of its own: the training stream's draws untouched
+            return rollout(model, self.tokenizer, ids, mask, probe, torch.Generator().manual_seed(0))
 
         chosen, seconds, spread = fastest_copy(self.policy, draw, rows, AUTO_PROBE_DRAWS)
         timed = ", ".join(f"{dtype} {s:.3f} s" for dtype, s in seconds.items())
         rank_zero_info(f"model.sampling.merged_copy: auto samples from the {chosen.dtype} copy, the fastest here "
-                       f"(median of {AUTO_PROBE_DRAWS}: {timed} for {probe['max_new_tokens']} tokens of one group; "
+                       f"(median of {AUTO_PROBE_DRAWS}: {timed} for {probe.max_new_tokens} tokens of one group; "
                        f"the draws of one choice spread {spread:.0%})")  # fmt: skip
         return chosen
 
@@ -208,6 +221,6 @@ class Sampler:
             if self.sampling.speculative_tokens:
                 warn(VLLM_SPECULATION)
             seed = self.seed + rank
-            self.engine = VllmEngine(self.policy, self.tokenizer, self.model_path, self.stop_ids, self.vllm, seed=seed)
+            self.engine = VllmEngine(self.policy, self.tokenizer, self.model_path, self.vllm, seed=seed)
         self.engine.serve(self.policy, version=version)
         return self.engine

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from interleave_model.generation.rollout import _draw, _mask_through_stop, _pick, _uniform, prefill
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.positions import model_positions
 
 
@@ -128,31 +129,17 @@ def speculative_sample(
     model: torch.nn.Module,
     prompt_ids: Tensor,
     prompt_mask: Tensor,
-    *,
-    num_generations: int,
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_token_id: int,
-    sources: Sequence[Sequence[int]],
-    draft_tokens: int,
-    ngram: int,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
+    params: SamplingParams,
     generator: torch.Generator | None = None,
-    with_logprobs: bool = False,
+    *,
+    pad_token_id: int,
     counts: dict[str, int] | None = None,
-    max_rows: int | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """`rollout.sample` with speculation: the same outputs, each step keeping up to `draft_tokens` drafted tokens.
+    """`rollout.sample` with speculation: the same outputs, each step keeping up to `params.speculation.draft_tokens`
+    drafted tokens.
 
     Args:
-        sources: Each prompt's tokens the draft copies from (`Lookup`); the first stop id is appended to each.
-        draft_tokens: k, the tokens drafted per step.
-        ngram: The longest suffix of an answer the draft looks up.
-        max_rows: Draft only in a step of at most this many rows, else decode one token (vLLM's
-            `disable_by_batch_size`): a forward of k + 1 tokens a row costs more, against one of 1, the more rows it
-            runs; retired rows leave the batch as the answers stop. None: draft in every step.
+        params: What to sample with, `params.speculation` the drafts (`Lookup`) and when to draft.
         counts: If given, gets the decode forwards run (`forwards`), the running rows they ran (`row_forwards`),
             the tokens drafted to running rows (`drafted`) and those kept (`kept`).
         The others: as `rollout.sample`.
@@ -160,10 +147,15 @@ def speculative_sample(
     Returns:
         `(completion_ids [P*G, C], completion_mask [P*G, C], truncated [P*G], logprobs [P*G, C] or None)`.
     """
+    speculation = params.speculation
+    if speculation is None:
+        raise ValueError("speculative_sample needs params.speculation (its drafts)")
+    G, max_new_tokens, stop_ids = params.num_generations, params.max_new_tokens, params.stop_ids
+    temperature, top_p, top_k, with_logprobs = params.temperature, params.top_p, params.top_k, params.with_logprobs
+    k, max_rows = speculation.draft_tokens, speculation.max_rows
     was_training = model.training
     model.eval()
     try:
-        G, k = num_generations, draft_tokens
         device = prompt_ids.device
         positions = model_positions(model, prompt_ids, prompt_mask)  # [P, Lp]
         # room for the answers twice over: rejected entries stay until `_fit` squeezes them out
@@ -184,7 +176,8 @@ def speculative_sample(
         position = positions[:, -1].repeat_interleave(G) + 1  # [R] the position of each row's last token
         last = first  # [R] sampled, not fed yet
         rows = torch.arange(n, device=device)  # the running rows' index in the batch
-        lookup = Lookup([list(s) + [int(stop_ids[0])] for s in sources for _ in range(G)], ngram, k, pad_token_id)
+        sources = [list(s) + [int(stop_ids[0])] for s in speculation.sources for _ in range(G)]
+        lookup = Lookup(sources, speculation.ngram, k, pad_token_id)
         answers = [[int(t)] for t in first.tolist()]
         steps = torch.arange(k + 1, device=device)
         while True:

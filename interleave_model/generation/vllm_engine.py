@@ -7,6 +7,7 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from torch import Tensor
 from transformers.utils import logging as hf_logging
 
 from interleave_model.generation.rollout import Rollout, completion_texts
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import is_peft
 from interleave_model.runtime.compat import shutdown_vllm
 from interleave_model.runtime.machine import cpu_memory, engine_settings
@@ -82,7 +84,6 @@ class VllmEngine:
         policy: The trainer's policy (a transformers causal LM, maybe wrapped by peft).
         tokenizer: Its tokenizer; decodes the completions and pads them.
         model_path: The folder (or hub name) the policy was loaded from; None writes the policy's base to a folder.
-        stop_token_ids: Tokens that end a completion.
         settings: The engine's options.
         seed: Seed of the engine's own sampling stream (with `seed_each_request`, rollouts given a generator draw
             per-prompt seeds from it instead).
@@ -93,7 +94,6 @@ class VllmEngine:
         policy: torch.nn.Module,
         tokenizer,
         model_path: str | None,
-        stop_token_ids: list[int],
         settings: VllmSettings | dict | None = None,
         seed: int = 0,
     ) -> None:
@@ -103,7 +103,6 @@ class VllmEngine:
         # saved hyperparameters hold the settings as a plain dict
         settings = VllmSettings(**settings) if isinstance(settings, dict) else settings or VllmSettings()
         self.tokenizer = tokenizer
-        self.stop_token_ids = list(stop_token_ids)
         self.lora = is_peft(policy)
         self._workdir = Path(tempfile.mkdtemp(prefix="vllm-engine-"))
         weakref.finalize(self, shutil.rmtree, self._workdir, ignore_errors=True)  # also when never closed
@@ -205,22 +204,14 @@ class VllmEngine:
 
     @torch.no_grad()
     def rollout(
-        self,
-        prompt_ids: Tensor,
-        prompt_mask: Tensor,
-        *,
-        num_generations: int,
-        max_new_tokens: int,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        generator: torch.Generator | None = None,
+        self, prompt_ids: Tensor, prompt_mask: Tensor, params: SamplingParams, generator: torch.Generator | None = None
     ) -> Rollout:
-        """`num_generations` completions per prompt, group-major, as `rollout.rollout` returns them.
+        """`params.num_generations` completions per prompt, group-major, as `rollout.rollout` returns them.
 
         Args:
             prompt_ids: Left-padded prompts, [P, Lp].
             prompt_mask: 1 for real prompt tokens, [P, Lp].
+            params: What to sample with; the engine does not speculate (`params.speculation` is not read).
             generator: With `seed_each_request`, draws one seed per prompt, so a rollout is reproducible from the
                 generator's state; otherwise unused (the engine's own stream samples).
 
@@ -231,8 +222,8 @@ class VllmEngine:
         if self._asleep:
             self._wake(["weights", "kv_cache"])
             self._asleep = False
-        G = num_generations
-        greedy = temperature == 0
+        G = params.num_generations
+        greedy = params.temperature == 0
         prompts = [{"prompt_token_ids": ids[mask.bool()].tolist()}
                    for ids, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]  # fmt: skip
         seeds = [None] * len(prompts)
@@ -241,14 +232,14 @@ class VllmEngine:
         n = G
         if greedy:  # vLLM samples a greedy answer once per request: the group is G requests of one answer
             prompts, seeds, n = [p for p in prompts for _ in range(G)], [None] * len(prompts) * G, 1
-        params = [
+        requests = [  # vLLM's own sampling parameters, one a request
             self._vllm.SamplingParams(
                 n=n,
-                temperature=temperature,
-                top_p=top_p,
-                top_k=top_k if top_k > 0 else -1,
-                max_tokens=max_new_tokens,
-                stop_token_ids=self.stop_token_ids,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=params.top_k if params.top_k > 0 else -1,
+                max_tokens=params.max_new_tokens,
+                stop_token_ids=list(params.stop_ids),
                 ignore_eos=True,
                 logprobs=None if greedy else 0,
                 seed=seed,
@@ -258,11 +249,13 @@ class VllmEngine:
             for seed in seeds
         ]
         with no_autocast():
-            outputs = self.llm.generate(prompts, params, lora_request=self._lora_request, use_tqdm=False)
+            outputs = self.llm.generate(prompts, requests, lora_request=self._lora_request, use_tqdm=False)
         rows = [completion for request in outputs for completion in request.outputs]  # group-major
-        return self._record(prompt_ids, prompt_mask, rows, G, with_logprobs=not greedy)
+        return self._record(prompt_ids, prompt_mask, rows, G, params.stop_ids, with_logprobs=not greedy)
 
-    def _record(self, prompt_ids: Tensor, prompt_mask: Tensor, rows, G: int, with_logprobs: bool) -> Rollout:
+    def _record(
+        self, prompt_ids: Tensor, prompt_mask: Tensor, rows, G: int, stop_ids: Sequence[int], with_logprobs: bool
+    ) -> Rollout:
         """Pad the engine's completions into the sampler's tensors (pad after the stop token, as the sampler does)."""
         width = max(len(row.token_ids) for row in rows)  # C
         device = prompt_ids.device
@@ -277,9 +270,9 @@ class VllmEngine:
             if logprobs is not None:
                 steps = zip(row.token_ids, row.logprobs, strict=True)
                 logprobs[i, :n] = torch.tensor([step[token].logprob for token, step in steps])
-        stops = torch.tensor(self.stop_token_ids)
+        stops = torch.tensor(list(stop_ids))
         truncated = ~torch.isin(completion_ids, stops).any(-1)  # [P*G] no stop token within the budget
-        texts = completion_texts(self.tokenizer, completion_ids, self.stop_token_ids)
+        texts = completion_texts(self.tokenizer, completion_ids, stop_ids)
         return Rollout(
             prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
             prompt_mask=prompt_mask.repeat_interleave(G, dim=0),

@@ -135,8 +135,8 @@ class CurriculumCallback(L.Callback):
     def _apply(self, decision: Decision, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if decision.export_words is not None and self.export:
             self._export(trainer, pl_module, decision.export_words)
-        if decision.temperature is not None:  # the one place the rollout temperature changes (the module owns it)
-            pl_module.temperature = decision.temperature
+        if decision.temperature is not None:
+            pl_module.set_temperature(decision.temperature)
         if decision.kind == "stop":
             warn(self.curriculum.state.stopped)  # one `warning:` line on stderr
         if decision.stop:

@@ -435,7 +435,7 @@ def test_the_module_owns_the_rollout_temperature_and_checkpoints_it(make_module,
     module._rollout = lambda batch, G, temperature, generator=None: (
         seen.append(temperature) or rollout(batch, G, temperature, generator)
     )
-    module.temperature = 1.3  # what a curriculum's raise_temperature does
+    module.set_temperature(1.3)  # what a curriculum's raise_temperature does
     trainer = _fit(module, make_datamodule(module.tokenizer), steps=1)
 
     assert seen == [1.3] and module.sampling.temperature == 0.7 and module.hparams.sampling["temperature"] == 0.7

@@ -24,6 +24,7 @@ from interleave_model.algorithm.logprobs import (
 )
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import _draw, _uniform, sample, token_budget
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import LoraSettings, TinyModelConfig, apply_lora
 from tests.conftest import TINY_SHAPE
 
@@ -328,8 +329,8 @@ def test_long_grouped_rollout_with_the_in_place_cache_is_greedy_exact(make_modul
     tok = module.tokenizer
     enc = tok(["A: the first B: a second Interleave:", "A: x B: y z Interleave:"], return_tensors="pt", padding=True)
     ids, mask = enc.input_ids, enc.attention_mask
-    grouped, *_ = sample(module.policy, ids, mask, num_generations=3, max_new_tokens=80, temperature=0.0,
-                           stop_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+    params = SamplingParams(num_generations=3, max_new_tokens=80, stop_ids=[tok.eos_token_id], temperature=0.0)
+    grouped, *_ = sample(module.policy, ids, mask, params, pad_token_id=tok.pad_token_id)
     reference = module.policy.generate(
         input_ids=ids, attention_mask=mask, max_new_tokens=80, do_sample=False,
         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,

@@ -4,6 +4,7 @@ forward."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from interleave_model.generation import rollout
 from interleave_model.generation.decode_step import decode_step, llama_step, model_step, plain_llama
 from interleave_model.generation.rollout import prefill, sample
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import TinyModelConfig, apply_lora
 from interleave_model.model.positions import model_positions
 from interleave_model.settings import LoraSettings
@@ -28,14 +30,14 @@ def coupled(make_module, make_datamodule):
     return module.policy.eval(), module.tokenizer, batch
 
 
-def _both(monkeypatch, model, batch, **kwargs):
+def _both(monkeypatch, model, batch, params, pad_token_id):
     """`sample` with the decode step it picks, then with the model's own forward at every step."""
     ids, mask = batch["prompt_ids"], batch["prompt_mask"]
-    seeded = {"generator": torch.Generator().manual_seed(0)} if kwargs.get("temperature") else {}
-    picked = sample(model, ids, mask, **kwargs, **seeded)
+    seeded = torch.Generator().manual_seed(0) if params.temperature else None
+    picked = sample(model, ids, mask, params, seeded, pad_token_id=pad_token_id)
     monkeypatch.setattr(rollout, "decode_step", lambda model: partial(model_step, model))
-    seeded = {"generator": torch.Generator().manual_seed(0)} if kwargs.get("temperature") else {}
-    own = sample(model, ids, mask, **kwargs, **seeded)
+    seeded = torch.Generator().manual_seed(0) if params.temperature else None
+    own = sample(model, ids, mask, params, seeded, pad_token_id=pad_token_id)
     monkeypatch.undo()
     return picked, own
 
@@ -53,20 +55,20 @@ def test_the_tiny_llama_is_stepped_without_its_module_stack(coupled):
 
 def test_greedy_answers_and_retired_rows_are_those_of_the_forward(coupled, monkeypatch):
     model, tokenizer, batch = coupled
-    common = {"num_generations": 1, "max_new_tokens": 24, "temperature": 0.0, "pad_token_id": tokenizer.pad_token_id}
-    first, *_ = sample(model, batch["prompt_ids"], batch["prompt_mask"], stop_ids=[tokenizer.eos_token_id], **common)
+    params = SamplingParams(num_generations=1, max_new_tokens=24, stop_ids=[tokenizer.eos_token_id], temperature=0.0)
+    pad = tokenizer.pad_token_id
+    first, *_ = sample(model, batch["prompt_ids"], batch["prompt_mask"], params, pad_token_id=pad)
     # two rows' third tokens made stop tokens: they stop, and are retired at the first look (step 8)
     stops = [tokenizer.eos_token_id, int(first[0, 2]), int(first[1, 2])]
-    picked, own = _both(monkeypatch, model, batch, stop_ids=stops, with_logprobs=True, **common)
+    picked, own = _both(monkeypatch, model, batch, replace(params, stop_ids=stops, with_logprobs=True), pad)
     _equal(picked, own)
     assert not picked[2][:2].any()  # the two rows stopped
 
 
 def test_sampled_groups_draw_the_tokens_and_log_probs_of_the_forward(coupled, monkeypatch):
     model, tokenizer, batch = coupled
-    picked, own = _both(monkeypatch, model, batch, num_generations=3, max_new_tokens=20, temperature=1.0,
-                        stop_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-                        with_logprobs=True)  # fmt: skip
+    params = SamplingParams(num_generations=3, max_new_tokens=20, stop_ids=[tokenizer.eos_token_id], with_logprobs=True)
+    picked, own = _both(monkeypatch, model, batch, params, tokenizer.pad_token_id)
     _equal(picked, own)
     assert picked[0].shape[0] == 12
 

@@ -16,6 +16,7 @@ from interleave_model.generation.merged_copy import MergedCopy, PackedLinear, fa
 from interleave_model.generation.rollout import sample
 from interleave_model.generation.rollout_cache import SharedPrefix
 from interleave_model.generation.sampler import AUTO_PROBE_DRAWS
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
 from interleave_model.runtime import compat
 from interleave_model.settings import LoraSettings, Sampling, SettingsError
@@ -74,16 +75,20 @@ def test_a_float32_copy_is_the_policy_and_follows_its_updates(lora_policy):
             assert torch.equal(parameter, base[name]), name
 
 
+def _sampled(model, tok, prompts, stops):
+    """Three answers a prompt at temperature 0.8 with their log-probs, from the same seed whatever the model."""
+    params = SamplingParams(num_generations=3, max_new_tokens=12, stop_ids=stops, temperature=0.8, with_logprobs=True)
+    generator = torch.Generator().manual_seed(0)
+    pad = tok.pad_token_id or 0
+    return sample(model, prompts.input_ids, prompts.attention_mask, params, generator, pad_token_id=pad)
+
+
 def test_a_float32_copy_samples_what_the_policy_samples_with_its_log_probs(lora_policy):
     policy, tok, prompts = lora_policy
     model = MergedCopy(policy, "float32").refresh(version=0)
     stops = stop_token_ids(policy, tok)
-    kwargs = {"num_generations": 3, "max_new_tokens": 12, "stop_ids": stops, "pad_token_id": tok.pad_token_id or 0,
-              "temperature": 0.8, "with_logprobs": True}  # fmt: skip
-    ids, mask, _, logprobs = sample(policy, prompts.input_ids, prompts.attention_mask, **kwargs,
-                                    generator=torch.Generator().manual_seed(0))  # fmt: skip
-    copy_ids, copy_mask, _, copy_logprobs = sample(model, prompts.input_ids, prompts.attention_mask, **kwargs,
-                                                   generator=torch.Generator().manual_seed(0))  # fmt: skip
+    ids, mask, _, logprobs = _sampled(policy, tok, prompts, stops)
+    copy_ids, copy_mask, _, copy_logprobs = _sampled(model, tok, prompts, stops)
     assert torch.equal(copy_ids, ids) and torch.equal(copy_mask, mask)
     torch.testing.assert_close(copy_logprobs, logprobs, atol=1e-4, rtol=0)
     # the recorded log-probs are the trainer's scores of the tokens (the update's function) at the temperature
@@ -226,11 +231,8 @@ def test_the_prepacked_copy_samples_what_the_bfloat16_copy_samples_and_follows_u
     plain, packed = MergedCopy(policy, "bfloat16", rows=6), MergedCopy(policy, "prepacked", rows=6)
     conv1d = "gpt2" in type(policy.get_base_model()).__name__.lower()  # GPT-2: Conv1D layers, nothing to pack
     assert packed.dtype == ("bfloat16" if conv1d else "prepacked")
-    kwargs = {"num_generations": 3, "max_new_tokens": 12, "stop_ids": stop_token_ids(policy, tok),
-              "pad_token_id": tok.pad_token_id or 0, "temperature": 0.8, "with_logprobs": True}  # fmt: skip
     for version in (0, 1):
-        drawn = [sample(copy.refresh(version), prompts.input_ids, prompts.attention_mask, **kwargs,
-                        generator=torch.Generator().manual_seed(0)) for copy in (plain, packed)]  # fmt: skip
+        drawn = [_sampled(copy.refresh(version), tok, prompts, stop_token_ids(policy, tok)) for copy in (plain, packed)]
         (ids, mask, _, logprobs), (packed_ids, packed_mask, _, packed_logprobs) = drawn
         assert torch.equal(packed_ids, ids) and torch.equal(packed_mask, mask)
         torch.testing.assert_close(packed_logprobs, logprobs, atol=0, rtol=0)
@@ -295,8 +297,9 @@ def test_held_out_answers_come_from_a_copy_merged_in_the_policys_dtype(lora_poli
     monkeypatch.setattr(sampler_py, "MergedCopy", lambda *a: built.append(a) or MergedCopy(*a))
 
     def own(model):  # the same call from a given model
-        return rollout(model, tok, prompts.input_ids, prompts.attention_mask, stops, num_generations=1,
-                       max_new_tokens=sampler.eval_budget(batch), temperature=0.0, top_p=1.0, top_k=0)  # fmt: skip
+        params = SamplingParams(num_generations=1, max_new_tokens=sampler.eval_budget(batch), stop_ids=stops,
+                                temperature=0.0)  # fmt: skip
+        return rollout(model, tok, prompts.input_ids, prompts.attention_mask, params)
 
     held_out = sampler.rollout(batch, 1, 0.0, version=0)
     assert [args[1] for args in built] == ["float32"] and sampler.held_out is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +20,7 @@ from interleave_model.generation.rollout import (
     sample,
     token_budget,
 )
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import build_tiny_tokenizer, load_pretrained, stop_token_ids
 
 # the sampler on free prompts, checked against HF `generate`, which numbers tokens 0, 1, 2, ...: the stock Llama
@@ -33,10 +35,12 @@ def tiny(make_module):
     return module, enc.input_ids, enc.attention_mask
 
 
-def _sample(module, ids, mask, **kwargs):
+def _sample(module, ids, mask, generator=None, check_every=8, **settings):
+    """`sample` of the tiny module's policy: greedy, one answer of 12 tokens a prompt, unless `settings` say more."""
     tok = module.tokenizer
-    kwargs = {"num_generations": 1, "max_new_tokens": 12, "temperature": 0.0, "stop_ids": [tok.eos_token_id]} | kwargs
-    return sample(module.policy, ids, mask, pad_token_id=tok.pad_token_id, **kwargs)
+    params = SamplingParams(**{"num_generations": 1, "max_new_tokens": 12, "temperature": 0.0,
+                               "stop_ids": [tok.eos_token_id]} | settings)  # fmt: skip
+    return sample(module.policy, ids, mask, params, generator, pad_token_id=tok.pad_token_id, check_every=check_every)
 
 
 def test_greedy_matches_hf_generate_with_left_padding(tiny):
@@ -116,8 +120,9 @@ def test_texts_are_the_tokens_before_the_first_stop_and_nothing_else(family_fold
     script = torch.tensor([a + [eot, 5, 6, 7], b + [eom] + [0] * (width - len(b) - 1), a + [8, 9, 10, 11]])
     prompt = torch.tensor([[1, 2], [1, 2], [1, 2]])
     # the script follows the batch's rows, so no row may be retired (no look at finished rows before the end)
-    out = rollout(_ScriptedLM(script, len(tok)), tok, prompt, torch.ones_like(prompt), stop_ids=[1025, eom, eot],
-                  num_generations=1, max_new_tokens=width, temperature=0.0, check_every=width)  # fmt: skip
+    params = SamplingParams(num_generations=1, max_new_tokens=width, stop_ids=[1025, eom, eot], temperature=0.0)
+    draw = partial(sample, check_every=width)
+    out = rollout(_ScriptedLM(script, len(tok)), tok, prompt, torch.ones_like(prompt), params, draw=draw)
     assert out.texts == ["the cat sat", "the dog", " ".join(tok.decode(a + [8, 9, 10, 11]).split())]
     assert out.completion_mask.sum(-1).tolist() == [len(a) + 1, len(b) + 1, width]  # through the first stop token
     assert (out.completion_ids[1, len(b) + 1 :] == tok.pad_token_id).all()
@@ -168,10 +173,8 @@ def test_greedy_matches_hf_generate_with_every_stop_id(family_policy):
     texts = [format_prompt(a, b, "compact", tok) for a, b in fragments]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
     ids, mask = enc.input_ids, enc.attention_mask
-    completion, completion_mask, truncated, _ = sample(
-        model, ids, mask, num_generations=1, max_new_tokens=8, temperature=0.0, stop_ids=stops,
-        pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+    params = SamplingParams(num_generations=1, max_new_tokens=8, stop_ids=stops, temperature=0.0)
+    completion, completion_mask, truncated, _ = sample(model, ids, mask, params, pad_token_id=tok.pad_token_id)
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                                eos_token_id=stops, pad_token_id=tok.pad_token_id)[:, ids.shape[1] :]  # fmt: skip
     assert torch.equal(completion, reference[:, : completion.shape[1]])
@@ -188,8 +191,8 @@ def test_the_head_reads_contiguous_hidden_states_in_the_prefill_and_every_step(f
     hook = model.get_output_embeddings().register_forward_pre_hook(lambda m, args: seen.append(args[0]))
     enc = tok(["the cat sat on", "a", "b c"], return_tensors="pt", padding=True, padding_side="left")
     try:
-        sample(model, enc.input_ids, enc.attention_mask, num_generations=2, max_new_tokens=4, temperature=1.0,
-               stop_ids=[], pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))  # fmt: skip
+        sample(model, enc.input_ids, enc.attention_mask, SamplingParams(num_generations=2, max_new_tokens=4,
+               stop_ids=[]), torch.Generator().manual_seed(0), pad_token_id=tok.pad_token_id)  # fmt: skip
     finally:
         hook.remove()
     assert [tuple(hidden.shape[:2]) for hidden in seen] == [(3, 1)] + [(6, 1)] * 3  # the prefill keeps one position
@@ -207,7 +210,8 @@ def test_generation_stops_once_every_row_ended(tiny):
 
 def test_truncated_rows_are_flagged_and_texts_decoded(tiny):
     module, ids, mask = tiny
-    out = rollout(module.policy, module.tokenizer, ids, mask, num_generations=2, max_new_tokens=3, temperature=1.0)
+    params = SamplingParams(num_generations=2, max_new_tokens=3, stop_ids=[module.tokenizer.eos_token_id])
+    out = rollout(module.policy, module.tokenizer, ids, mask, params)
     assert out.completion_ids.shape == (4, out.completion_mask.shape[1]) and out.prompt_ids.shape[0] == 4
     ended = (out.completion_ids == module.tokenizer.eos_token_id).any(-1)
     assert torch.equal(out.truncated, ~ended)
@@ -283,10 +287,8 @@ def test_greedy_with_left_padding_and_retired_rows_matches_hf_generate(family, a
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
     ids, mask = enc.input_ids, enc.attention_mask
     assert (mask.sum(-1) < ids.shape[1]).sum() >= 2, "prompts of several lengths, left-padded"
-    completion, *_ = sample(
-        model, ids, mask, num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=stops,
-        pad_token_id=tok.pad_token_id, check_every=2,
-    )  # fmt: skip
+    params = SamplingParams(num_generations=2, max_new_tokens=24, stop_ids=stops, temperature=0.0)
+    completion, *_ = sample(model, ids, mask, params, pad_token_id=tok.pad_token_id, check_every=2)
     assert min(rows[1:]) < 8, "some rows must have been retired while others ran on"  # rows[0]: the prefill's
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
                                eos_token_id=stops, pad_token_id=tok.pad_token_id)[:, ids.shape[1] :]  # fmt: skip
@@ -304,9 +306,9 @@ def test_retiring_rows_leaves_sampled_answers_unchanged(family_folders):
 
     def draw(check_every):
         rows.clear()
-        return sample(model, enc.input_ids, enc.attention_mask, num_generations=4, max_new_tokens=30, stop_ids=stops,
-                      pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(3),
-                      check_every=check_every)[0]  # fmt: skip
+        params = SamplingParams(num_generations=4, max_new_tokens=30, stop_ids=stops)
+        return sample(model, enc.input_ids, enc.attention_mask, params, torch.Generator().manual_seed(3),
+                      pad_token_id=tok.pad_token_id, check_every=check_every)[0]  # fmt: skip
 
     retired = draw(check_every=2)
     assert min(rows[1:]) < 8, "rows must have been retired"  # rows[0]: the prefill's

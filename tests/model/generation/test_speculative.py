@@ -5,6 +5,7 @@ the trainer's scores, and the sampler uses it when `model.sampling.speculative_t
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from interleave_model.generation import merged_copy
 from interleave_model.generation import sampler as sampler_module
 from interleave_model.generation.merged_copy import MergedCopy
 from interleave_model.generation.rollout import sample
+from interleave_model.generation.sampling_params import SamplingParams, Speculation
 from interleave_model.generation.speculative import Lookup, _sampling_probs, speculative_sample
 from interleave_model.model.policy import load_pretrained, stop_token_ids
 from interleave_model.settings import Sampling, SettingsError
@@ -71,12 +73,11 @@ def test_greedy_with_left_padding_stops_and_retired_rows_matches_hf_generate(fam
     # drafts from the answers themselves are kept (up to where HF's answer stops), unrelated ones rejected
     sources = reference.tolist() if source == "answers" else [[7, 8, 9]] * 4
     counts = {}
-    completion, mask_, truncated, _ = speculative_sample(
-        model, ids, mask, num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=stops,
-        pad_token_id=tok.pad_token_id, sources=sources, draft_tokens=3, ngram=2, counts=counts,
-    )  # fmt: skip
-    plain = sample(model, ids, mask, num_generations=2, max_new_tokens=24, temperature=0.0, stop_ids=stops,
-                   pad_token_id=tok.pad_token_id)  # fmt: skip
+    params = SamplingParams(num_generations=2, max_new_tokens=24, stop_ids=stops, temperature=0.0)
+    drafts = replace(params, speculation=Speculation(sources, draft_tokens=3, ngram=2))
+    completion, mask_, truncated, _ = speculative_sample(model, ids, mask, drafts, pad_token_id=tok.pad_token_id,
+                                                         counts=counts)  # fmt: skip
+    plain = sample(model, ids, mask, params, pad_token_id=tok.pad_token_id)
     for g in range(2):
         assert torch.equal(completion[g::2][:, : reference.shape[1]], reference)
     assert torch.equal(completion, plain[0]) and torch.equal(mask_, plain[1]) and torch.equal(truncated, plain[2])
@@ -95,16 +96,15 @@ def test_drafts_only_in_steps_of_at_most_max_rows_and_answers_as_without(family_
     ids, mask = _prompts(tok, [("a b", "c d"), ("one two three four five six", "x y z w"), ("z", "y"), ("cat", "mat")])
     widths = []  # each forward's (rows, tokens a row)
     model.get_input_embeddings().register_forward_hook(lambda module, args, out: widths.append(tuple(args[0].shape)))
-    kwargs = {"num_generations": 2, "max_new_tokens": 24, "temperature": 0.0, "stop_ids": stops,
-              "pad_token_id": tok.pad_token_id}  # fmt: skip
-    plain = sample(model, ids, mask, **kwargs)
+    params = SamplingParams(num_generations=2, max_new_tokens=24, stop_ids=stops, temperature=0.0)
+    plain = sample(model, ids, mask, params, pad_token_id=tok.pad_token_id)
     sources = [row[m.bool()].tolist() for row, m in zip(plain[0][::2], plain[1][::2], strict=True)]
     runs = {}
     for max_rows in (None, 4):
         widths.clear()
         counts = {}
-        out = speculative_sample(model, ids, mask, **kwargs, sources=sources, draft_tokens=3, ngram=2, counts=counts,
-                                 max_rows=max_rows)  # fmt: skip
+        drafts = replace(params, speculation=Speculation(sources, draft_tokens=3, ngram=2, max_rows=max_rows))
+        out = speculative_sample(model, ids, mask, drafts, pad_token_id=tok.pad_token_id, counts=counts)
         assert all(torch.equal(a, b) for a, b in zip(out[:3], plain[:3], strict=True))
         runs[max_rows] = counts, widths[1:]  # the prefill left out
     (every, every_widths), (small, small_widths) = runs[None], runs[4]
@@ -126,20 +126,20 @@ def test_on_the_merged_copy_speculation_attends_by_blocks_and_keeps_its_answers_
     blocks = []
     softmax = merged_copy._masked_softmax
     monkeypatch.setattr(merged_copy, "_masked_softmax", lambda scores, m, t: blocks.append(t) or softmax(scores, m, t))
-    kwargs = {"num_generations": 2, "max_new_tokens": 20, "stop_ids": stops, "pad_token_id": tok.pad_token_id}
-    plain = sample(stopping, ids, mask, **kwargs, temperature=0.0)
+    params = SamplingParams(num_generations=2, max_new_tokens=20, stop_ids=stops, temperature=0.0)
+    plain = sample(stopping, ids, mask, params, pad_token_id=tok.pad_token_id)
     assert len(set(plain[1].sum(-1).tolist())) >= 2, "rows end at different steps"
     answers = [row[m.bool()].tolist() for row, m in zip(plain[0][::2], plain[1][::2], strict=True)]
     counts = {}
-    greedy = speculative_sample(stopping, ids, mask, **kwargs, temperature=0.0, sources=answers, draft_tokens=3,
-                                ngram=2, counts=counts)  # fmt: skip
+    params = replace(params, speculation=Speculation(answers, draft_tokens=3, ngram=2))
+    greedy = speculative_sample(stopping, ids, mask, params, pad_token_id=tok.pad_token_id, counts=counts)
     assert all(torch.equal(a, b) for a, b in zip(greedy[:3], plain[:3], strict=True))
     assert counts["kept"] > counts["drafted"] / 2
     uses_grouped = copy.config._attn_implementation == merged_copy.GROUPED_DECODE
     assert (4 in blocks) == uses_grouped  # the last token and 3 drafted, attended by the copy's own attention
     completion, completion_mask, _, logprobs = speculative_sample(
-        copy, ids, mask, **kwargs, temperature=0.8, sources=answers, draft_tokens=3, ngram=2, with_logprobs=True,
-        generator=torch.Generator().manual_seed(0),
+        copy, ids, mask, replace(params, temperature=0.8, with_logprobs=True), torch.Generator().manual_seed(0),
+        pad_token_id=tok.pad_token_id,
     )  # fmt: skip
     input_ids = torch.cat([ids.repeat_interleave(2, dim=0), completion], dim=-1)
     attention = torch.cat([mask.repeat_interleave(2, dim=0), completion_mask], dim=-1)
@@ -206,15 +206,16 @@ def _chi_square_p(observed: dict, expected: dict[tuple[int, ...], float], n: int
 def test_sampled_sequences_have_the_models_distribution(temperature, top_p, top_k, max_rows):
     model, prompt, steps, n = _small_model(), [1, 2, 3], 3, 20000
     expected = _exact(model, prompt, steps, temperature, top_p, top_k)
-    kwargs = {"num_generations": n, "max_new_tokens": steps, "stop_ids": [STOP], "pad_token_id": PAD,
-              "temperature": temperature, "top_p": top_p, "top_k": top_k}  # fmt: skip
+    params = SamplingParams(num_generations=n, max_new_tokens=steps, stop_ids=[STOP], temperature=temperature,
+                            top_p=top_p, top_k=top_k)  # fmt: skip
     ids = torch.tensor([prompt])
-    greedy = sample(model, ids, torch.ones_like(ids), **(kwargs | {"num_generations": 1, "temperature": 0.0}))[0]
+    greedy = sample(model, ids, torch.ones_like(ids), replace(params, num_generations=1, temperature=0.0),
+                    pad_token_id=PAD)[0]  # fmt: skip
     counts = {}  # drafts: the greedy answer, often but not always what a sample draws
-    drafted, *_ = speculative_sample(model, ids, torch.ones_like(ids), **kwargs, sources=greedy.tolist(),
-                                     draft_tokens=2, ngram=1, counts=counts, max_rows=max_rows,
-                                     generator=torch.Generator().manual_seed(1))  # fmt: skip
-    plain, *_ = sample(model, ids, torch.ones_like(ids), **kwargs, generator=torch.Generator().manual_seed(2))
+    drafts = replace(params, speculation=Speculation(greedy.tolist(), draft_tokens=2, ngram=1, max_rows=max_rows))
+    drafted, *_ = speculative_sample(model, ids, torch.ones_like(ids), drafts, torch.Generator().manual_seed(1),
+                                     pad_token_id=PAD, counts=counts)  # fmt: skip
+    plain, *_ = sample(model, ids, torch.ones_like(ids), params, torch.Generator().manual_seed(2), pad_token_id=PAD)
 
     if max_rows == 0:  # no step drafts: each draws as a plain step, through the speculative path
         assert counts["drafted"] == 0 and counts["forwards"] == steps - 1
@@ -233,8 +234,8 @@ def test_a_wrong_sampler_fails_the_distribution_test():
     expected = _exact(model, prompt, steps, 1.0, 1.0, 0)
     observed = {}
     ids = torch.tensor([prompt])
-    plain, *_ = sample(model, ids, torch.ones_like(ids), num_generations=n, max_new_tokens=steps, stop_ids=[STOP],
-                       pad_token_id=PAD, generator=torch.Generator().manual_seed(3))  # fmt: skip
+    params = SamplingParams(num_generations=n, max_new_tokens=steps, stop_ids=[STOP])
+    plain, *_ = sample(model, ids, torch.ones_like(ids), params, torch.Generator().manual_seed(3), pad_token_id=PAD)
     for i, row in enumerate(plain.tolist()):
         seq = (2, 1, 3) if i % 2 == 0 else tuple(row)  # half the rows answer the draft outright
         observed[seq] = observed.get(seq, 0) + 1
@@ -246,11 +247,12 @@ def test_recorded_log_probs_are_the_trainers_scores(family_folders):
     _spread_weights(model, std=0.1)
     stops = stop_token_ids(model, tok)
     ids, mask = _prompts(tok, [("a b", "c d"), ("one two three", "x y")])
+    drafts = Speculation([[5, 6, 7], [8, 9]], draft_tokens=3, ngram=2)
+    params = SamplingParams(num_generations=3, max_new_tokens=10, stop_ids=stops, temperature=0.8, with_logprobs=True,
+                            speculation=drafts)  # fmt: skip
     completion, completion_mask, _, logprobs = speculative_sample(
-        model, ids, mask, num_generations=3, max_new_tokens=10, temperature=0.8, stop_ids=stops,
-        pad_token_id=tok.pad_token_id, sources=[[5, 6, 7], [8, 9]], draft_tokens=3, ngram=2, with_logprobs=True,
-        generator=torch.Generator().manual_seed(0),
-    )  # fmt: skip
+        model, ids, mask, params, torch.Generator().manual_seed(0), pad_token_id=tok.pad_token_id
+    )
     repeated = ids.repeat_interleave(3, dim=0), mask.repeat_interleave(3, dim=0)
     input_ids = torch.cat([repeated[0], completion], dim=-1)
     attention = torch.cat([repeated[1], completion_mask], dim=-1)
@@ -258,17 +260,17 @@ def test_recorded_log_probs_are_the_trainers_scores(family_folders):
     assert torch.allclose(logprobs, scores * completion_mask, atol=1e-4)
 
 
-def _sampled_with_spy(module) -> tuple[list[dict], object, list[int]]:
-    """A greedy rollout of one prompt by the module's sampler: the speculative draw's keyword arguments in each call,
-    the rollout, and the prompt's target."""
+def _sampled_with_spy(module) -> tuple[list[SamplingParams], object, list[int]]:
+    """A greedy rollout of one prompt by the module's sampler: the speculative draw's sampling parameters in each
+    call, the rollout, and the prompt's target."""
     enc = module.tokenizer(["A: the first B: a second Interleave:"], return_tensors="pt")
     target = module.tokenizer("the a first second", add_special_tokens=False)["input_ids"]
     batch = {"prompt_ids": enc.input_ids, "prompt_mask": enc.attention_mask, "n_words": [2], "target_ids": [target]}
     calls = []
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return speculative_sample(*args, **kwargs)
+    def spy(model, ids, mask, params, *args, **kwargs):
+        calls.append(params)
+        return speculative_sample(model, ids, mask, params, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(sampler_module, "speculative_sample", spy)
@@ -279,7 +281,7 @@ def _sampled_with_spy(module) -> tuple[list[dict], object, list[int]]:
 def test_the_sampler_speculates_when_the_settings_ask(make_module):
     module = make_module(sampling={"speculative_tokens": 3, "speculative_ngram": 2}).eval()
     calls, greedy, target = _sampled_with_spy(module)
-    assert [call["sources"] for call in calls] == [[target]] and calls[0]["max_rows"] is None
+    assert [call.speculation.sources for call in calls] == [[target]] and calls[0].speculation.max_rows is None
     module.sampler.sampling.speculative_tokens = 0
     calls, plain, _ = _sampled_with_spy(module)
     assert calls == [] and plain.texts == greedy.texts
@@ -289,7 +291,7 @@ def test_speculative_max_rows_is_checked_and_reaches_the_draw(make_module):
     with pytest.raises(SettingsError, match="speculative_max_rows must be >= 1"):
         Sampling(speculative_tokens=3, speculative_max_rows=0)
     module = make_module(sampling={"speculative_tokens": 3, "speculative_max_rows": 2}).eval()
-    assert [call["max_rows"] for call in _sampled_with_spy(module)[0]] == [2]
+    assert [call.speculation.max_rows for call in _sampled_with_spy(module)[0]] == [2]
 
 
 def test_the_exact_distribution_sums_to_one_over_every_outcome():

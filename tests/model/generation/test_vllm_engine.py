@@ -9,6 +9,7 @@ pytest.importorskip("vllm")
 
 from interleave_model.algorithm.completions import completion_logprobs  # noqa: E402
 from interleave_model.generation.rollout import rollout  # noqa: E402
+from interleave_model.generation.sampling_params import SamplingParams  # noqa: E402
 from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings  # noqa: E402
 from interleave_model.model.policy import LoraSettings, apply_lora, load_pretrained, stop_token_ids  # noqa: E402
 
@@ -42,9 +43,10 @@ def _prompts(tokenizer):
     return enc.input_ids, enc.attention_mask
 
 
-def _both(engine, model, tokenizer, stops, ids, mask, **kwargs):
-    kwargs = {"num_generations": 2, "max_new_tokens": 12, "temperature": 0.0} | kwargs
-    return engine.rollout(ids, mask, **kwargs), rollout(model, tokenizer, ids, mask, stops, **kwargs)
+def _both(engine, model, tokenizer, stops, ids, mask, **settings):
+    greedy = {"num_generations": 2, "max_new_tokens": 12, "stop_ids": stops, "temperature": 0.0}
+    params = SamplingParams(**greedy | settings)
+    return engine.rollout(ids, mask, params), rollout(model, tokenizer, ids, mask, params)
 
 
 @pytest.fixture(scope="module", params=["llama3", "qwen2", "gpt2"])
@@ -56,10 +58,11 @@ def family_engine(request, family_folders):
     """
     model, tokenizer, stops = _policy(str(family_folders[request.param]))
     ids, mask = _prompts(tokenizer)
-    first = rollout(model, tokenizer, ids, mask, stops, num_generations=1, max_new_tokens=12, temperature=0.0)
+    params = SamplingParams(num_generations=1, max_new_tokens=12, stop_ids=stops, temperature=0.0)
+    first = rollout(model, tokenizer, ids, mask, params)
     assert first.completion_ids[0, 0] not in first.completion_ids[1], "pick prompts whose answers differ"
     stops = [*stops, int(first.completion_ids[0, 0])]
-    engine = VllmEngine(model, tokenizer, str(family_folders[request.param]), stops, SETTINGS)
+    engine = VllmEngine(model, tokenizer, str(family_folders[request.param]), SETTINGS)
     yield request.param, engine, model, tokenizer, stops
     engine.close()
 
@@ -79,7 +82,7 @@ def test_greedy_tokens_stops_truncation_and_texts_equal_the_own_sampler(family_e
 def full_engine(soft_folders):
     """An engine on the softened Llama-3 folder, its trainer's policy trained in full."""
     model, tokenizer, stops = _policy(soft_folders["llama3"])
-    engine = VllmEngine(model, tokenizer, soft_folders["llama3"], stops, SETTINGS)
+    engine = VllmEngine(model, tokenizer, soft_folders["llama3"], SETTINGS)
     engine.serve(model, version=0)
     yield engine, model, tokenizer, stops
     engine.close()
@@ -88,8 +91,8 @@ def full_engine(soft_folders):
 def test_sampled_logprobs_equal_the_trainers(full_engine):
     engine, model, tokenizer, stops = full_engine
     ids, mask = _prompts(tokenizer)
-    out = engine.rollout(ids, mask, num_generations=4, max_new_tokens=16, temperature=0.9,
-                         generator=torch.Generator().manual_seed(0))  # fmt: skip
+    params = SamplingParams(num_generations=4, max_new_tokens=16, stop_ids=stops, temperature=0.9)
+    out = engine.rollout(ids, mask, params, torch.Generator().manual_seed(0))
     input_ids = torch.cat([out.prompt_ids, out.completion_ids], dim=1)
     attention = torch.cat([out.prompt_mask, out.completion_mask], dim=1)
     trainer, _ = completion_logprobs(model, input_ids, attention, out.completion_ids, 0.9)
@@ -125,7 +128,7 @@ def test_lora_sync_serves_the_adapter_and_leaves_the_base_bitwise(soft_folders):
     model, tokenizer, stops = _policy(soft_folders["qwen2"])
     model = apply_lora(model, LoraSettings(r=8, alpha=16, dropout=0.0))
     base = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
-    engine = VllmEngine(model, tokenizer, soft_folders["qwen2"], stops, SETTINGS)
+    engine = VllmEngine(model, tokenizer, soft_folders["qwen2"], SETTINGS)
     try:
         ids, mask = _prompts(tokenizer)
         engine.serve(model, version=0)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from interleave_model.generation import vllm_engine
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.generation.vllm_engine import VllmEngine, VllmSettings, launcher_environment
 
 
@@ -41,7 +42,7 @@ def engine(monkeypatch) -> tuple[VllmEngine, list]:
     engine = object.__new__(VllmEngine)
     engine.llm, engine._vllm = StandInLLM(calls), SimpleNamespace(SamplingParams=lambda **kw: kw)
     engine.settings, engine.sleep_mode, engine._asleep = VllmSettings(enable_sleep_mode=True), True, False
-    engine.lora, engine.version, engine._lora_request, engine.stop_token_ids = False, None, None, [2]
+    engine.lora, engine.version, engine._lora_request = False, None, None
     engine.tokenizer = SimpleNamespace(pad_token_id=0, decode=lambda ids, **kw: " ".join(map(str, ids)))
     monkeypatch.setattr(engine, "_push_weights", lambda policy: calls.append(("push_weights",)))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -69,8 +70,8 @@ def test_a_sleeping_engine_wakes_its_weights_takes_the_new_ones_then_its_kv_cach
 
 def _rollout(engine: VllmEngine, temperature: float = 1.0):
     ids, mask = torch.tensor([[5, 6], [0, 6]]), torch.tensor([[1, 1], [0, 1]])
-    return engine.rollout(ids, mask, num_generations=2, max_new_tokens=4, temperature=temperature,
-                          generator=torch.Generator().manual_seed(0))  # fmt: skip
+    params = SamplingParams(num_generations=2, max_new_tokens=4, stop_ids=[2], temperature=temperature)
+    return engine.rollout(ids, mask, params, torch.Generator().manual_seed(0))
 
 
 def test_the_engine_samples_outside_the_trainers_autocast(engine):

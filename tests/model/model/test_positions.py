@@ -9,6 +9,7 @@ from interleave_data.prompts import format_prompt
 from interleave_model.algorithm.completions import completion_logprobs
 from interleave_model.generation.rollout import rollout
 from interleave_model.generation.sampler import Sampler
+from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import PolicyError, build_policy
 from interleave_model.model.positions import (
     COUPLED,
@@ -85,9 +86,9 @@ def test_the_sampler_and_the_update_score_the_same_positions(positions):
     policy, tokenizer, stop_ids = _policy(positions)
     prompts = [format_prompt("a b c", "d e f", "compact"), format_prompt("a b", "d e", "compact")]
     encoded = tokenizer(prompts, return_tensors="pt", padding=True)
-    draw = {"num_generations": 3, "max_new_tokens": 9, "temperature": 1.0, "with_logprobs": True}
+    params = SamplingParams(num_generations=3, max_new_tokens=9, stop_ids=stop_ids, with_logprobs=True)
     generator = torch.Generator().manual_seed(0)
-    roll = rollout(policy, tokenizer, encoded.input_ids, encoded.attention_mask, stop_ids, generator=generator, **draw)
+    roll = rollout(policy, tokenizer, encoded.input_ids, encoded.attention_mask, params, generator)
     ids = torch.cat([roll.prompt_ids, roll.completion_ids], 1)
     mask = torch.cat([roll.prompt_mask, roll.completion_mask], 1)
     for group_size in (1, 3):  # the full forward, and each prompt forwarded once for its group

@@ -60,6 +60,7 @@ class _Trainer:
         self.module = SimpleNamespace(
             sampling=Sampling(temperature=1.0, num_generations=2), temperature=1.0, device=torch.device("cpu"),
             log_dict=lambda values, batch_size: self.logged.update(values),
+            set_temperature=lambda value: setattr(self.module, "temperature", value),  # the module's one setter
         )  # fmt: skip
 
     def batch(self, callbacks, rewards, n_words, completions=None):
