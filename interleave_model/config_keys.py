@@ -20,6 +20,8 @@ import yaml
 
 from interleave_model.model.migrations import FLAT_NAMES, LOSS_MOVED, MOVED, REMOVED
 
+# top-level keys LightningCLI offers and this CLI does not (the optimizer is the module's own)
+NOT_OFFERED = ("optimizer", "lr_scheduler")
 # `interleave_model.<old module>.<name>`: a class path from before the subpackages
 _OLD_CLASS_PATH = re.compile(rf"\binterleave_model\.({'|'.join(MOVED)})\.(\w+)")
 
@@ -40,8 +42,9 @@ def _moved_keys() -> dict[str, str]:
 
 
 def check_moved_keys(args: Iterable[str]) -> None:
-    """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved or names a class by
-    its path from before the subpackages.
+    """Refuse a command line, or a `--config` file it names, that sets a key of `model` that moved, names a class by
+    its path from before the subpackages, or sets `optimizer` / `lr_scheduler` (a run's saved config from when the CLI
+    offered them holds both, null).
 
     Raises:
         MovedKeyError: Naming the flag or the file, the old key or path and the new one.
@@ -63,6 +66,11 @@ def check_moved_keys(args: Iterable[str]) -> None:
         except (OSError, yaml.YAMLError):
             continue  # the CLI's parser reports a file it cannot read
         _check_class_paths(_strings(config), f"{path}: ")
+        offered = [key for key in NOT_OFFERED if isinstance(config, dict) and key in config]
+        if offered:  # a run's saved config.yaml from when the CLI offered them wrote both as null
+            keys = " and ".join(offered) + (" are" if len(offered) > 1 else " is")
+            raise MovedKeyError(f"{path}: {keys} not settings here (AdamW with its schedule from model.optimization): "
+                                "delete the lines")  # fmt: skip
         model = config.get("model") if isinstance(config, dict) else None
         model = model.get("init_args", model) if isinstance(model, dict) else None
         model = model if isinstance(model, dict) else {}

@@ -176,13 +176,19 @@ def test_a_checkpoint_with_flat_settings_loads_with_them(make_module, tmp_path):
         (["fit", "--model.loss.beta=0.1"], "--model.loss.beta is now --model.kl.beta"),
         (["fit", "--model.loss.kl_estimator", "k2"], "--model.loss.kl_estimator is now --model.kl.estimator"),
         (["fit", "--config", "{terms}"], "{terms}: model.loss.guidance is now model.guidance.weight"),
+        (
+            ["fit", "--config", "{saved}"],
+            "{saved}: optimizer and lr_scheduler are not settings here (AdamW with its "
+            "schedule from model.optimization): delete the lines",
+        ),
     ],
 )
 def test_a_moved_key_is_refused_in_one_line_that_names_the_new_one(tmp_path, args, message):
-    paths = {"old": tmp_path / "old.yaml", "nested": tmp_path / "nested.yaml", "terms": tmp_path / "terms.yaml"}
+    paths = {name: tmp_path / f"{name}.yaml" for name in ("old", "nested", "terms", "saved")}
     paths["old"].write_text("model:\n  dtype: float32\n")
     paths["nested"].write_text("model:\n  init_args:\n    init_from: a.ckpt\n")
     paths["terms"].write_text("model:\n  loss:\n    epsilon: 0.2\n    guidance: 0.5\n")
+    paths["saved"].write_text("trainer:\n  max_steps: 2\noptimizer: null\nlr_scheduler: null\n")  # a run's config.yaml
     with pytest.raises(MovedKeyError) as raised:
         check_moved_keys([a.format(**paths) for a in args])
     assert str(raised.value) == message.format(**paths)
