@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import get_args
 
 from interleave_data.corpus import CorpusError
 from interleave_data.curriculum_types import (
@@ -19,7 +18,6 @@ from interleave_data.curriculum_types import (
     CurriculumState,
     Decision,
     DecisionKind,
-    OnCollapse,
     SmallerStep,
     StepCounts,
     StopAdvice,
@@ -50,31 +48,14 @@ class Curriculum:
         if not 0.0 <= replay_fraction < 1.0:
             raise CorpusError(f"replay_fraction must be in [0, 1), got {replay_fraction}")
         self.replay_fraction = replay_fraction
-        self.settings = s = settings or CurriculumSettings()
+        self.settings = s = settings or CurriculumSettings()  # its values checked when it was built
+        # one value per stage; a list's count is checked against the stages here, the one check the settings cannot
+        # make on their own
         self.thresholds = per_stage(s.threshold, "threshold", self.stages)
         self.patience = per_stage(s.patience, "patience", self.stages)
         self.min_steps = per_stage(s.min_steps, "min_steps", self.stages)
-        if any(not 0.0 <= t <= 1.0 for t in self.thresholds):
-            raise CorpusError(f"curriculum.threshold must be in [0, 1], got {s.threshold}")
-        if min(self.patience) < 1 or min(self.min_steps) < 0:
-            raise CorpusError(f"curriculum: need patience >= 1 and min_steps >= 0, got {s.patience}, {s.min_steps}")
-        if s.window < 1 or s.collapse_patience < 1 or s.max_collapse_responses < 1:
-            raise CorpusError("curriculum: window, collapse_patience and max_collapse_responses must be >= 1")
-        if s.on_collapse not in get_args(OnCollapse):
-            raise CorpusError(f"curriculum.on_collapse must be one of {get_args(OnCollapse)}, got {s.on_collapse!r}")
-        if not 0.0 < s.collapse_share <= 1.0:
-            raise CorpusError(f"curriculum.collapse_share must be in (0, 1], got {s.collapse_share}")
-        if s.warm_start_until is not None and not 0.0 < s.warm_start_until <= 1.0:
-            raise CorpusError(f"curriculum.warm_start_until must be in (0, 1], got {s.warm_start_until}")
         self.val_thresholds = per_stage(s.val_threshold, "val_threshold", self.stages)
         self.max_stage_steps = per_stage(s.max_stage_steps, "max_stage_steps", self.stages)
-        if min((c for c in (s.plateau_steps, *self.max_stage_steps) if c is not None), default=1) < 1:
-            raise CorpusError(
-                f"curriculum: need plateau_steps and max_stage_steps >= 1 or null, got {s.plateau_steps}, "
-                f"{s.max_stage_steps}"
-            )
-        if not 0.0 <= s.plateau_gain <= 1.0:
-            raise CorpusError(f"curriculum.plateau_gain must be in [0, 1], got {s.plateau_gain}")
         self.adaptive = s.adaptive
         self.sft_steps = sft_steps
         self.state = self._start_state()

@@ -1,14 +1,15 @@
-"""What the curriculum reads and writes: its settings (`CurriculumSettings`, checked against the stages here), one
-GRPO batch's counts (`StepCounts`), the decision it returns (`Decision`, a stop's advice as `StopAdvice` and
-`SmallerStep`) and the state it checkpoints (`CurriculumState`). Plain dataclasses; the decisions are
-`curriculum.Curriculum`'s, and the run that carries them out words a stop's advice.
+"""What the curriculum reads and writes: its settings (`CurriculumSettings`, which check their own values when
+built; a per-stage list's count is checked against the stages by `per_stage`), one GRPO batch's counts
+(`StepCounts`), the decision it returns (`Decision`, a stop's advice as `StopAdvice` and `SmallerStep`) and the state
+it checkpoints (`CurriculumState`). Plain dataclasses; the decisions are `curriculum.Curriculum`'s, and the run that
+carries them out words a stop's advice.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from interleave_data.corpus import CorpusError
 from interleave_data.length_schedule import AdaptiveLength
@@ -95,6 +96,31 @@ class CurriculumSettings:
     plateau_steps: int | None = None
     plateau_gain: float = 0.01
     max_stage_steps: int | list[int | None] | None = None
+
+    def __post_init__(self) -> None:
+        """Refuse a value out of its range; a list's count against the stages is `per_stage`'s, in `Curriculum`."""
+        if any(not 0.0 <= t <= 1.0 for t in _values(self.threshold)):
+            raise CorpusError(f"curriculum.threshold must be in [0, 1], got {self.threshold}")
+        if min(_values(self.patience), default=1) < 1 or min(_values(self.min_steps), default=0) < 0:
+            raise CorpusError(
+                f"curriculum: need patience >= 1 and min_steps >= 0, got {self.patience}, {self.min_steps}"
+            )
+        if self.window < 1 or self.collapse_patience < 1 or self.max_collapse_responses < 1:
+            raise CorpusError("curriculum: window, collapse_patience and max_collapse_responses must be >= 1")
+        if self.on_collapse not in get_args(OnCollapse):
+            raise CorpusError(f"curriculum.on_collapse must be one of {get_args(OnCollapse)}, got {self.on_collapse!r}")
+        if not 0.0 < self.collapse_share <= 1.0:
+            raise CorpusError(f"curriculum.collapse_share must be in (0, 1], got {self.collapse_share}")
+        if self.warm_start_until is not None and not 0.0 < self.warm_start_until <= 1.0:
+            raise CorpusError(f"curriculum.warm_start_until must be in (0, 1], got {self.warm_start_until}")
+        caps = (self.plateau_steps, *_values(self.max_stage_steps))
+        if min((c for c in caps if c is not None), default=1) < 1:
+            raise CorpusError(
+                f"curriculum: need plateau_steps and max_stage_steps >= 1 or null, got {self.plateau_steps}, "
+                f"{self.max_stage_steps}"
+            )
+        if not 0.0 <= self.plateau_gain <= 1.0:
+            raise CorpusError(f"curriculum.plateau_gain must be in [0, 1], got {self.plateau_gain}")
 
 
 @dataclass(frozen=True)
@@ -251,6 +277,11 @@ def check_lengths(lengths: Sequence[int], name: str) -> list[int]:
     if any(b <= a for a, b in zip(lengths, lengths[1:], strict=False)):
         raise CorpusError(f"{name} must be strictly increasing, got {' '.join(map(str, lengths))}")
     return lengths
+
+
+def _values(value) -> list:
+    """A setting's values: those of a per-stage list, or the one value (None included)."""
+    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def per_stage(value, name: str, lengths: list[int]) -> list:
