@@ -30,10 +30,12 @@ def build(args: argparse.Namespace, words: int, cache_dir: str):
     """The module (tiny Llama or a local model folder) and a one-stage datamodule, as the demo config builds them."""
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_model.generation.vllm_engine import VllmSettings
-    from interleave_model.loss_settings import Kl, Optimization
     from interleave_model.model.policy import LoraSettings
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, Sampling
+    from interleave_model.settings.loss import Kl
+    from interleave_model.settings.optimization import Optimization
+    from interleave_model.settings.policy import Base
+    from interleave_model.settings.sampling import Sampling
 
     model = InterleaveGRPO(
         base=Base(name_or_path=args.model, dtype=args.dtype, gradient_checkpointing=args.gradient_checkpointing),

@@ -46,7 +46,7 @@ def module(name: str, config: Path, folder: Path):
     import yaml
 
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import Base, TinyModelConfig
+    from interleave_model.settings.policy import Base, TinyModelConfig
 
     settings = yaml.safe_load(config.read_text())
     template = settings["data"].get("template", "two_processes")

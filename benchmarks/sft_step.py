@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from interleave_data.datamodule import InterleaveDataModule
     from interleave_model.module import InterleaveGRPO
-    from interleave_model.settings import LoraSettings
+    from interleave_model.settings.policy import LoraSettings
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict
 from typing import Literal
 
 import lightning as L
@@ -28,8 +27,6 @@ from interleave_model.evaluation.evaluator import Evaluator, monitored_lengths
 from interleave_model.evaluation.hooks import HeldOutEvaluation
 from interleave_model.generation.rollout import Rollout
 from interleave_model.generation.sampler import Sampler
-from interleave_model.groups import GROUPS, TERMS, as_group, check_groups, typed
-from interleave_model.loss_settings import K1_WARNING, Guidance, Kl, Loss, Optimization
 from interleave_model.model.checkpoint import (
     checkpoint_groups,
     frozen_weight_keys,
@@ -53,15 +50,12 @@ from interleave_model.preflight.checks import preflight
 from interleave_model.runtime.compat import forget_step_values
 from interleave_model.runtime.fastest import fastest_micro_batch
 from interleave_model.runtime.machine import warn
-from interleave_model.settings import (
-    Base,
-    DynamicSampling,
-    Evaluation,
-    LoraSettings,
-    Sampling,
-    TinyModelConfig,
-    VllmSettings,
-)
+from interleave_model.settings.evaluation import Evaluation
+from interleave_model.settings.groups import as_hparams, module_groups
+from interleave_model.settings.loss import K1_WARNING, Guidance, Kl, Loss
+from interleave_model.settings.optimization import Optimization
+from interleave_model.settings.policy import Base, LoraSettings, TinyModelConfig
+from interleave_model.settings.sampling import DynamicSampling, Sampling, VllmSettings
 
 # Under manual optimization Lightning warns at every checkpoint that it holds the state after the optimizer step.
 # That is the state we want: global_step counts completed steps, and resuming from it is exact (tests/test_resume.py).
@@ -72,23 +66,23 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     """Policy, frozen reference and GRPO loss for word interleaving; held-out evaluation (`HeldOutEvaluation`).
 
     Args:
-        base: The model trained and how it is loaded (`settings.Base`): name_or_path is a local HF folder, a
+        base: The model trained and how it is loaded (`settings.policy.Base`): name_or_path is a local HF folder, a
             shipped model's name, a hub name, or "tiny".
         tiny: Shape of the embedded tiny model (used only when `base.name_or_path` is "tiny").
         corpus: Corpus sources whose words form the tiny tokenizer's vocabulary (linked from `data.corpus`).
         template: Prompt template whose words join the tiny vocabulary (linked from `data.template`).
         lora: LoRA settings; None trains all weights.
         seed: Seed of the tiny model's init and of the sampling RNG (offset by rank).
-        sampling: How the training rollout samples (`settings.Sampling`).
-        loss: The clipped policy loss and its advantages (`loss_settings.Loss`).
-        kl: The KL term to the reference (`loss_settings.Kl`); beta 0 skips the reference.
-        guidance: CHORD's supervised term on the known answers (`loss_settings.Guidance`); None (default) = off.
+        sampling: How the training rollout samples (`settings.sampling.Sampling`).
+        loss: The clipped policy loss and its advantages (`settings.loss.Loss`).
+        kl: The KL term to the reference (`settings.loss.Kl`); beta 0 skips the reference.
+        guidance: CHORD's supervised term on the known answers (`settings.loss.Guidance`); None (default) = off.
         rewards: Reward functions with weights; the alignment score alone by default.
-        optimization: Rates, schedule, clipping and rows a forward (`loss_settings.Optimization`); the phases are the
-            data's (`phases`).
+        optimization: Rates, schedule, clipping and rows a forward (`settings.optimization.Optimization`); the
+            phases are the data's (`phases`).
         dynamic_sampling: Drop zero-variance groups and refill from extra prompts (DAPO); None (default) = off.
-        evaluation: How validation, test and predict answer (`settings.Evaluation`); `validate --ckpt_path` keeps
-            the command's values, not the checkpoint's.
+        evaluation: How validation, test and predict answer (`settings.evaluation.Evaluation`); `validate --ckpt_path`
+            keeps the command's values, not the checkpoint's.
         rollout_engine: "own" (the project's sampler, `rollout.py`) or "vllm" (colocated vLLM, `vllm_engine.py`),
             used by training, validation, test and predict alike.
         vllm: The vLLM engine's options (memory share, max model length, eager mode, sleep mode).
@@ -114,20 +108,20 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         vllm: VllmSettings | None = None,
     ) -> None:
         super().__init__()
-        # fresh copies (the defaults are shared); a checkpoint's are dicts
-        base, sampling, loss = as_group(Base, base), as_group(Sampling, sampling), as_group(Loss, loss)
-        optimization, evaluation = as_group(Optimization, optimization), as_group(Evaluation, evaluation)
-        self.kl, self.guidance = as_group(Kl, kl), typed(Guidance, guidance)
+        groups = module_groups(
+            base=base, tiny=tiny, lora=lora, sampling=sampling, loss=loss, kl=kl, guidance=guidance,
+            optimization=optimization, dynamic_sampling=dynamic_sampling, evaluation=evaluation, vllm=vllm,
+        )  # fmt: skip
+        self.save_hyperparameters(ignore=["rewards"])
+        # hparams (and so checkpoints) keep `GROUPS` and `TERMS` as plain dicts, as the CLI gives them, the others as
+        # given; the module keeps them as typed attributes
+        self.hparams.update(as_hparams(groups))
+        base, sampling, loss, optimization = (groups[name] for name in ("base", "sampling", "loss", "optimization"))
+        self.base, self.sampling, self.loss, self.optimization = base, sampling, loss, optimization
+        self.kl, self.guidance, self.evaluation = groups["kl"], groups["guidance"], groups["evaluation"]
+        self.dynamic_sampling = groups["dynamic_sampling"]
         if self.kl.wasted:
             warn(K1_WARNING)
-        self.dynamic_sampling = typed(DynamicSampling, dynamic_sampling)
-        check_groups(sampling, loss)
-        self.save_hyperparameters(ignore=["rewards"])
-        # the settings as typed attributes; hparams (and so checkpoints) keep them as plain dicts, as the CLI gives them
-        self.base, self.sampling, self.loss = base, sampling, loss
-        self.optimization, self.evaluation = optimization, evaluation
-        self.hparams.update({name: asdict(getattr(self, name)) for name in GROUPS})
-        self.hparams.update({name: getattr(self, name) and asdict(getattr(self, name)) for name in TERMS})
         self.set_temperature(sampling.temperature)
         # rows per forward in the update and the supervised steps: the configured value, or with "auto" the fastest
         # here, measured at the first GRPO step (`_measure_micro_batch`) and checkpointed; one group a forward before
@@ -136,8 +130,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         self._micro_batch_measured = not auto
         self.automatic_optimization = False  # a rollout may feed several updates (num_iterations) and bad steps skip
         self.reward_functions = list(rewards) if rewards else [AlignmentReward()]
-        # load_from_checkpoint passes these back as the dicts hparams hold
-        tiny, lora = typed(TinyModelConfig, tiny) or TinyModelConfig(), typed(LoraSettings, lora)
+        tiny, lora, vllm = groups["tiny"] or TinyModelConfig(), groups["lora"], groups["vllm"]
         # a shipped model's name (`shipped.SHIPPED`) becomes its cached folder; hparams keep the name, so a
         # checkpoint names the model, not this machine's cache
         self.model_path = resolve_model(base.name_or_path)
@@ -152,7 +145,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         self.grpo_loss = GRPOLoss.from_settings(loss, self.kl, loss.max_completion_length or sampling.max_new_tokens)
         # Without LoRA, the reference is a frozen copy of the policy as GRPO starts (after any warm-start).
         self.reference: torch.nn.Module | None = None
-        self.evaluator = Evaluator(evaluation, seed)  # validation and test metrics, per length
+        self.evaluator = Evaluator(self.evaluation, seed)  # validation and test metrics, per length
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
         self._rng: torch.Generator | None = None
         self.sampler = Sampler(

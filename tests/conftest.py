@@ -89,9 +89,9 @@ def make_module():
     Settings are named by their groups, as a config names them: `make(sampling={"temperature": 0.9})` (a dict or the
     group's dataclass); a group's dict is merged into the defaults' (2 samples a group).
     """
-    from interleave_model.groups import field_values
     from interleave_model.model.policy import TinyModelConfig
     from interleave_model.module import InterleaveGRPO
+    from interleave_model.settings.groups import field_values
 
     def make(**overrides):
         kwargs = {
@@ -157,8 +157,8 @@ def family(request, family_folders) -> tuple[str, Path]:
 
 def flat_settings(hparams: dict) -> dict:
     """A checkpoint's grouped hyperparameters written as the code before the groups wrote them (git 35e5889)."""
-    from interleave_model.groups import GROUPS, TERMS
     from interleave_model.model.migrations import FLAT_NAMES, LOSS_MOVED
+    from interleave_model.settings.groups import GROUPS, TERMS
 
     flat = {key: value for key, value in hparams.items() if key not in GROUPS | TERMS}
     for old, (group, name) in FLAT_NAMES.items():

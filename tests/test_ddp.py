@@ -19,10 +19,11 @@ import yaml
 from cli import main
 from interleave_model.algorithm.rewards import RewardFunction
 from interleave_model.generation.rollout import Rollout
-from interleave_model.loss_settings import Kl, Loss, Optimization
 from interleave_model.model.policy import TinyModelConfig
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import Sampling
+from interleave_model.settings.loss import Kl, Loss
+from interleave_model.settings.optimization import Optimization
+from interleave_model.settings.sampling import Sampling
 from tests.conftest import TINY_CONFIG, TINY_SHAPE
 
 ROOT = Path(__file__).resolve().parents[1]

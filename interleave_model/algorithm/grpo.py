@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from interleave_model.algorithm.logprobs import token_logprobs
-from interleave_model.loss_settings import AdvantageEstimator, LossType, ScaleRewards
+from interleave_model.settings.loss import AdvantageEstimator, LossType, ScaleRewards
 
 SCALE_REWARDS = get_args(ScaleRewards)
 ADVANTAGE_ESTIMATORS = get_args(AdvantageEstimator)

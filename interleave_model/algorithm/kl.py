@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from interleave_model.algorithm.grpo import aggregate, masked_mean
-from interleave_model.loss_settings import KlEstimator, LossType
+from interleave_model.settings.loss import KlEstimator, LossType
 
 KL_ESTIMATORS = get_args(KlEstimator)
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.kl import KlOutput, kl_loss
-from interleave_model.loss_settings import Kl, KlEstimator, Loss, LossType
+from interleave_model.settings.loss import Kl, KlEstimator, Loss, LossType
 
 
 class GRPOTerms(NamedTuple):

@@ -11,7 +11,7 @@ import torch
 from torch.optim.lr_scheduler import LRScheduler
 from typing_extensions import override
 
-from interleave_model.loss_settings import LrSchedule, Optimization
+from interleave_model.settings.optimization import LrSchedule, Optimization
 
 SCHEDULES = get_args(LrSchedule)
 

@@ -24,7 +24,7 @@ from torchmetrics import Metric
 
 from interleave_model.evaluation.alignment import align, score, words
 from interleave_model.evaluation.metric import AlignmentScore
-from interleave_model.settings import resolve_pass_k
+from interleave_model.settings.evaluation import resolve_pass_k
 
 GREEDY_KEYS = (
     "score",

@@ -23,7 +23,7 @@ from interleave_model.generation.vllm_engine import VllmEngine
 from interleave_model.model.policy import TINY, is_peft
 from interleave_model.model.positions import refuse_coupled
 from interleave_model.runtime.machine import warn
-from interleave_model.settings import Sampling, VllmSettings
+from interleave_model.settings.sampling import Sampling, VllmSettings
 
 # vLLM 0.32's own `ngram` speculation keeps greedy answers but returns wrong log-probs for some sampled tokens
 # (docs/RESULTS.md, "Speculative sampling"), which the update divides by: the engine samples without it

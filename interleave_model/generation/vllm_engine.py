@@ -19,7 +19,7 @@ from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import is_peft
 from interleave_model.runtime.compat import shutdown_vllm
 from interleave_model.runtime.machine import cpu_memory, engine_settings
-from interleave_model.settings import VllmSettings
+from interleave_model.settings.sampling import VllmSettings
 
 # Inside a training process the engine core must run in this process: the default spawns a worker that would load
 # the model a second time and could not see the trainer's weights.

@@ -20,19 +20,20 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from interleave_data.atomic import replacing
-from interleave_model.groups import GROUPS, TERMS
 from interleave_model.model.migrations import CHECKPOINT_VERSION, VERSION, migrated_hparams, old_paths
 from interleave_model.model.policy import PolicyError, base_from_disk, frozen_copy, is_peft
-from interleave_model.settings import DynamicSampling, LoraSettings, TinyModelConfig, VllmSettings
+from interleave_model.settings.groups import GROUPS, OPTIONAL, TERMS
 
 # Checkpoint key, set when the frozen base weights were left out: a LoRA run whose base loads from disk keeps only
 # what training changes (the adapter), not a copy of the base (6 GiB in bf16 for Llama-3.2-3B) at every save.
 BASE_OMITTED = "base_weights_omitted"
 
-# Checkpoints keep these settings in their hyperparameters; torch.load(weights_only=True) must accept them, under
-# their paths and under the ones they had before they moved (`migrations.old_paths`): the unpickler maps each old name
-# to today's class, importing nothing. Lightning's own loads (a resume, `load_from_checkpoint`) read them so too.
-PICKLED_SETTINGS = (TinyModelConfig, LoraSettings, DynamicSampling, VllmSettings)
+# Checkpoints keep these settings in their hyperparameters as given, so perhaps as objects (`settings.groups.OPTIONAL`:
+# `TinyModelConfig`, `LoraSettings`, `DynamicSampling`, `VllmSettings`); torch.load(weights_only=True) must accept
+# them, under their paths and under the ones they had before they moved (`migrations.old_paths`): the unpickler maps
+# each old name to today's class, importing nothing. Lightning's own loads (a resume, `load_from_checkpoint`) read
+# them so too.
+PICKLED_SETTINGS = tuple(OPTIONAL.values())
 torch.serialization.add_safe_globals([*PICKLED_SETTINGS, *old_paths(PICKLED_SETTINGS)])
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
 
-from interleave_model.groups import GROUPS, field_values
+from interleave_model.settings.groups import GROUPS, field_values
 
 _PACKAGE = "interleave_model"
 
@@ -49,24 +49,26 @@ MOVED = {
     for old in olds
 }
 
-# settings class -> the module that held it before settings.py held every group; checkpoints pickled it there
+# settings class -> the modules that held it before `settings/policy.py` or `settings/sampling.py`, latest first:
+# `settings.py`, which held every group once, and before it the module that read it; checkpoints pickled it there
 SETTINGS_MOVED = {
-    "TinyModelConfig": "model.policy",
-    "LoraSettings": "model.policy",
-    "DynamicSampling": "algorithm.dynamic_sampling",
-    "VllmSettings": "generation.vllm_engine",
+    "TinyModelConfig": ("settings", "model.policy"),
+    "LoraSettings": ("settings", "model.policy"),
+    "DynamicSampling": ("settings", "algorithm.dynamic_sampling"),
+    "VllmSettings": ("settings", "generation.vllm_engine"),
 }
 
 
 def old_paths(classes: Iterable[type]) -> list[tuple[type, str]]:
     """Each class with the dotted paths it had before it moved, as `torch.serialization.add_safe_globals` takes them:
-    its module's before settings.py held every group (`interleave_model.model.policy.LoraSettings`) and that
-    module's before the subpackages (`interleave_model.policy.LoraSettings`); a class that never moved has none."""
+    its modules' before the settings package (`interleave_model.settings.LoraSettings`,
+    `interleave_model.model.policy.LoraSettings`), and each of those modules' and its own before the subpackages
+    (`interleave_model.policy.LoraSettings`); a class that never moved has none."""
     found = []
     for cls in classes:
-        before = SETTINGS_MOVED.get(cls.__qualname__)
-        where = before or cls.__module__.removeprefix(f"{_PACKAGE}.")
-        homes = ([before] if before else []) + [old for old, new in MOVED.items() if new == where]
+        before = SETTINGS_MOVED.get(cls.__qualname__, ())
+        where = (*before, cls.__module__.removeprefix(f"{_PACKAGE}."))
+        homes = [*before, *(old for old, new in MOVED.items() if new in where)]
         found += [(cls, f"{_PACKAGE}.{home}.{cls.__qualname__}") for home in homes]
     return found
 

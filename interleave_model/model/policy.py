@@ -24,7 +24,7 @@ from transformers.pytorch_utils import Conv1D
 from interleave_data.corpus import first_line, load_corpus
 from interleave_data.prompts import format_prompt
 from interleave_model.model.positions import COUPLED, COUPLING_MARKERS
-from interleave_model.settings import ALL_LINEAR, TINY, LoraSettings, TinyModelConfig
+from interleave_model.settings.policy import ALL_LINEAR, TINY, LoraSettings, TinyModelConfig
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
 
@@ -46,7 +46,7 @@ def build_policy(
 ) -> tuple[torch.nn.Module, PreTrainedTokenizerFast, list[int]]:
     """The policy (LoRA-wrapped when `lora` is set), its tokenizer and the ids that end a completion.
 
-    Args are `model.base`'s (`settings.Base`) and `InterleaveGRPO`'s of the same names: "tiny" builds the
+    Args are `model.base`'s (`settings.policy.Base`) and `InterleaveGRPO`'s of the same names: "tiny" builds the
     embedded tiny Llama, whose vocabulary is every word of `corpus` and `template`, seeded by `seed`; anything else
     is loaded with `from_pretrained`.
     """

@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from interleave_model.algorithm.completions import FUSED_HEAD_FAMILIES
-from interleave_model.settings import ALL_LINEAR, VllmSettings
+from interleave_model.settings.policy import ALL_LINEAR
+from interleave_model.settings.sampling import VllmSettings
 
 GIB = 2**30
 ADAPTER_BYTES = 16  # fp32 weight, gradient, AdamW's two moments

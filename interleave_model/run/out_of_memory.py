@@ -37,9 +37,9 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy, Stra
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from interleave_model.groups import as_group
 from interleave_model.run.interrupt import save_last
-from interleave_model.settings import VllmSettings
+from interleave_model.settings.groups import as_group
+from interleave_model.settings.sampling import VllmSettings
 
 # the strategies whose rank 0 holds the whole state and writes it alone (FSDP gathers it from every rank)
 WHOLE_ON_RANK_ZERO = (SingleDeviceStrategy, DDPStrategy)

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from interleave_model.algorithm.rewards import RewardFunction
-from interleave_model.loss_settings import Optimization
 from interleave_model.module import InterleaveGRPO
 from interleave_model.runtime.fastest import fastest
+from interleave_model.settings.optimization import Optimization
 from tests.conftest import fit_one_grpo_step
 
 

@@ -110,15 +110,18 @@ def test_a_config_naming_a_class_by_its_old_path_is_refused_in_one_line_naming_t
 @pytest.mark.parametrize(
     ("cls", "home"),
     [(TinyModelConfig, "model.policy"), (LoraSettings, "model.policy"),
-     (DynamicSampling, "algorithm.dynamic_sampling"), (VllmSettings, "generation.vllm_engine")],
+     (DynamicSampling, "algorithm.dynamic_sampling"), (VllmSettings, "generation.vllm_engine"),
+     (TinyModelConfig, "settings"), (LoraSettings, "settings"), (DynamicSampling, "settings"),
+     (VllmSettings, "settings")],
 )  # fmt: skip
-def test_settings_pickled_in_the_modules_that_read_them_load_with_weights_only(cls, home, tmp_path, monkeypatch):
-    """Before settings.py held every group, these classes stood in their readers, and checkpoints name them there."""
+def test_settings_pickled_where_they_stood_before_load_with_weights_only(cls, home, tmp_path, monkeypatch):
+    """These classes stood in their readers once, then all in one `settings.py`; checkpoints name them there."""
     import interleave_model.module  # noqa: F401  (registers the settings as safe globals)
 
     path = tmp_path / "settings.pt"
     with monkeypatch.context() as patch:
         patch.setattr(cls, "__module__", f"interleave_model.{home}")  # pickled by the name it had there
+        patch.setattr(importlib.import_module(f"interleave_model.{home}"), cls.__name__, cls, raising=False)
         torch.save({"settings": cls()}, path)
     assert f"interleave_model.{home}".encode() in zipfile.ZipFile(path).read("settings/data.pkl")
     assert torch.load(path, weights_only=True)["settings"] == cls()

@@ -10,12 +10,14 @@ import pytest
 import torch
 
 from interleave_model.config_keys import MovedKeyError, check_moved_keys
-from interleave_model.groups import GROUPS, as_group
-from interleave_model.loss_settings import Kl, Loss, Optimization
 from interleave_model.model import migrations
 from interleave_model.model.migrations import FLAT_NAMES, LOSS_MOVED, REMOVED, migrated_hparams
 from interleave_model.module import InterleaveGRPO
-from interleave_model.settings import Evaluation, Sampling
+from interleave_model.settings.evaluation import Evaluation
+from interleave_model.settings.groups import GROUPS, as_group
+from interleave_model.settings.loss import Kl, Loss
+from interleave_model.settings.optimization import Optimization
+from interleave_model.settings.sampling import Sampling
 from tests.conftest import flat_settings
 
 # The flat settings of InterleaveGRPO before they were grouped (its signature at commit 35e5889): every one of them
@@ -31,7 +33,7 @@ FLAT_BEFORE = [
 
 
 def test_every_flat_setting_of_before_has_a_group_and_every_group_field_a_flat_name():
-    assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too, for the tests' brevity
+    assert set(FLAT_BEFORE) <= set(FLAT_NAMES)  # settings added since have flat names too: conftest.flat_settings
     fields = {(group, name) for group, cls in GROUPS.items() for name in asdict(cls())}
     # settings removed since: found, then dropped; a term's (`guidance.loss`) had its flat name in `loss`: `in_loss`
     removed = {(group, name) for group, name in REMOVED if group in GROUPS}

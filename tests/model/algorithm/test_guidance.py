@@ -37,7 +37,7 @@ def test_only_the_guidance_moves_the_policy_when_every_answer_scores_alike(make_
 
 @pytest.mark.parametrize("settings", [{"weight": 1.5}, {"weight": 0.0}])
 def test_a_setting_out_of_range_is_refused_naming_the_key(settings):
-    from interleave_model.loss_settings import Guidance
+    from interleave_model.settings.loss import Guidance
 
     (name,) = settings
     with pytest.raises(ValueError, match=f"model.guidance.{name} must be"):

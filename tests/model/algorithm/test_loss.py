@@ -9,7 +9,7 @@ import torch
 from interleave_model.algorithm.grpo import policy_loss
 from interleave_model.algorithm.kl import kl_loss
 from interleave_model.algorithm.loss import GRPOLoss
-from interleave_model.loss_settings import Kl, Loss
+from interleave_model.settings.loss import Kl, Loss
 
 # p(token) = [0.5, 0.25], ref(token) = [0.25, 0.5]  ->  log(ref / p) = [-ln2, +ln2]
 LOGP = torch.tensor([[math.log(0.5), math.log(0.25)]])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from interleave_model.algorithm.schedule import PhaseSchedule, lr_factor
-from interleave_model.loss_settings import Optimization
+from interleave_model.settings.optimization import Optimization
 
 
 def test_warmup_is_linear_then_cosine_reaches_the_floor():

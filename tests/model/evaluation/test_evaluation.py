@@ -148,7 +148,7 @@ def test_length_row():
 def test_sampled_answers_only_at_the_sample_lengths():
     """`sample_lengths` [10]: a 10-word batch gets 3 sampled answers a prompt, a 25-word one greedy answers only."""
     from interleave_model.evaluation.evaluator import Evaluator
-    from interleave_model.settings import Evaluation
+    from interleave_model.settings.evaluation import Evaluation
 
     evaluator = Evaluator(Evaluation(num_samples=3, sample_lengths=[10]), seed=0)
     calls = []
@@ -194,7 +194,7 @@ def test_a_lora_policys_evaluation_draws_from_a_merged_copy_freed_at_its_end(mak
     import lightning as L
 
     from interleave_model.generation import sampler as sampler_py
-    from interleave_model.settings import LoraSettings
+    from interleave_model.settings.policy import LoraSettings
 
     module = make_module(lora=LoraSettings(r=4, alpha=8, dropout=0.0))
     datamodule = make_datamodule(module.tokenizer)

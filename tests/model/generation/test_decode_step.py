@@ -16,7 +16,7 @@ from interleave_model.generation.rollout import prefill, sample
 from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import TinyModelConfig, apply_lora
 from interleave_model.model.positions import model_positions
-from interleave_model.settings import LoraSettings
+from interleave_model.settings.policy import LoraSettings
 
 
 @pytest.fixture

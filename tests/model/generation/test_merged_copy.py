@@ -19,7 +19,9 @@ from interleave_model.generation.sampler import AUTO_PROBE_DRAWS
 from interleave_model.generation.sampling_params import SamplingParams
 from interleave_model.model.policy import apply_lora, load_pretrained, stop_token_ids
 from interleave_model.runtime import compat
-from interleave_model.settings import LoraSettings, Sampling, SettingsError
+from interleave_model.settings import SettingsError
+from interleave_model.settings.policy import LoraSettings
+from interleave_model.settings.sampling import Sampling
 
 
 @pytest.fixture(params=["llama3", "qwen2", "gpt2"])

@@ -20,7 +20,8 @@ from interleave_model.generation.rollout import sample
 from interleave_model.generation.sampling_params import SamplingParams, Speculation
 from interleave_model.generation.speculative import Lookup, _sampling_probs, speculative_sample
 from interleave_model.model.policy import load_pretrained, stop_token_ids
-from interleave_model.settings import Sampling, SettingsError
+from interleave_model.settings import SettingsError
+from interleave_model.settings.sampling import Sampling
 from tests.model.generation.test_rollout import _spread_weights
 
 # a chi-square test's false alarms: a correct sampler fails one run in FALSE_ALARM of each test below

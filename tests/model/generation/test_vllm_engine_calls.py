@@ -137,7 +137,7 @@ def test_the_folder_written_for_the_engine_is_the_plain_base_under_lora(family_f
 @pytest.mark.parametrize("draft_tokens", [0, 4])
 def test_vllm_samples_without_speculation_and_says_so_once(monkeypatch, capsys, draft_tokens):
     from interleave_model.generation import sampler
-    from interleave_model.settings import Sampling
+    from interleave_model.settings.sampling import Sampling
 
     built = []
     monkeypatch.setattr(sampler, "VllmEngine", lambda *args, **kwargs: built.append(kwargs) or SimpleNamespace(

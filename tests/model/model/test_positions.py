@@ -19,7 +19,7 @@ from interleave_model.model.positions import (
     position_ids,
     refuse_coupled,
 )
-from interleave_model.settings import TinyModelConfig
+from interleave_model.settings.policy import TinyModelConfig
 from tests.conftest import TINY_SHAPE
 
 

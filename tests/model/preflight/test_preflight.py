@@ -14,7 +14,8 @@ from interleave_data.pairs import interleave
 from interleave_model.model.policy import PolicyError
 from interleave_model.module import InterleaveGRPO
 from interleave_model.preflight.checks import preflight
-from interleave_model.settings import Base, Sampling, VllmSettings
+from interleave_model.settings.policy import Base
+from interleave_model.settings.sampling import Sampling, VllmSettings
 from tests.conftest import TINY_CONFIG
 
 

@@ -28,7 +28,7 @@ from interleave_model.model.export import export
 from interleave_model.model.policy import LoraSettings, PolicyError
 from interleave_model.run.callbacks import CurriculumCallback, stop_message
 from interleave_model.run.samples import SampleDump
-from interleave_model.settings import Sampling
+from interleave_model.settings.sampling import Sampling
 
 G = 2
 
