@@ -17,8 +17,10 @@ adapter's included) and `H` those of the output layer,
 The floor of a phase is the larger of its FLOPs over the matmul rate of its shape and its bytes over the bandwidth;
 `share` is floor / measured, per phase and for the step (rollout + update), in wall time;
 `share_of_cpu_time` is the step's floor over the CPU time the process spent in the step (reward and data included),
-the figure to read when other jobs share the machine and `--threads` is 1. The step itself runs through
-`grpo_step.py`'s harness (the module under a Lightning Trainer, LoRA r=16 with `--lora`).
+the figure to read when other jobs share the machine and `--threads` is 1. The step is `grpo_step.py`'s (the module
+under a Lightning Trainer, LoRA r=16 with `--lora`): this script imports that one as a module, as the scripts import
+`harness`, for its arguments (`parse_args`, given this script's values) and its `build`, so the floor is always of
+the step `grpo_step.py` measures, with its defaults; importing it runs nothing.
 
     python benchmarks/floor.py [--model smollm2-135m-instruct] [--threads 2] [--words 10] [--prompts 4]
                                [--generations 8] [--lora] [--beta 0] [--steps 2] [--warmup 1]
