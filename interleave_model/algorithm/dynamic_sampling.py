@@ -11,7 +11,7 @@ from torch.nn import functional as F
 from interleave_model.algorithm import grpo
 from interleave_model.algorithm.records import Trajectory
 from interleave_model.generation.rollout import Rollout
-from interleave_model.settings.sampling import DynamicSampling as DynamicSampling  # configs name it here
+from interleave_model.settings.sampling import DynamicSampling as DynamicSampling  # checkpoints, configs name it here
 
 
 def refill(
