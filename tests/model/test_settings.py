@@ -138,7 +138,7 @@ def test_hparams_hold_plain_dicts_and_the_module_typed_copies(make_module):
 
 def test_the_default_groups_are_never_shared_between_modules(make_module):
     first, second = InterleaveGRPO(tiny=make_module().hparams.tiny, template="compact"), make_module()
-    first.sampling.temperature = 1.5  # what a curriculum's raise_temperature does
+    first.sampling.temperature = 1.5  # one module's group changed
     assert second.sampling.temperature == 1.0 and Sampling().temperature == 1.0
 
 
