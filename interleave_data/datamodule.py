@@ -1,7 +1,7 @@
 """InterleaveDataModule: the curriculum's stream, the SFT -> GRPO warm-start, and tokenized prompt batches."""
 
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -281,11 +281,6 @@ class InterleaveDataModule(LightningDataModule):
         examples = self._draw_grpo(rng, n_words, n, f"refill-{k}:{round_}:{rank}")
         return self.collate(examples, "grpo")
 
-    def refill_draw(self, k: int, n_words: int) -> Callable[[int, int], dict]:
-        """``draw(round, n)`` for dynamic sampling: ``sample_refill`` at ``n_words`` words for training batch ``k``
-        (its ``batch_index`` in the stream) on this rank, so a resumed run draws the same refills."""
-        return lambda round_, n: self.sample_refill(k, round_, n, n_words, self.rank)
-
     @property
     def rank(self) -> int:
         """This process's rank among the trainer's (0 without a trainer)."""
@@ -332,9 +327,15 @@ class InterleaveDataModule(LightningDataModule):
         return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
     def _collate_train(self, item: tuple[int, str, list[Example]]) -> dict:
-        """Training batch ``k``, which carries its index (``batch_index``)."""
+        """Training batch ``k``, which carries what its step needs of the stream: its index (``batch_index``), and for
+        a GRPO batch ``refill``, ``draw(round, n)`` of dynamic sampling: ``sample_refill`` for batch ``k`` at its
+        longest length on this rank."""
         k, phase, examples = item
-        return self.collate(examples, phase) | {"batch_index": k}
+        batch = self.collate(examples, phase) | {"batch_index": k}
+        if phase == "grpo":  # replayed rows of earlier stages are refilled at the batch's stage, its longest length
+            n_words = max(e.n_words for e in examples)
+            batch["refill"] = partial(self.sample_refill, k, n_words=n_words, rank=self.rank)
+        return batch
 
     def _eval_loader(self, examples: list[Example]) -> DataLoader:
         return _loader(examples, batch_size=self.eval_batch_size, collate_fn=partial(self.collate, phase="eval"))

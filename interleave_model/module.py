@@ -222,7 +222,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
             roll, G = trajectory.rollout, self.sampling.num_generations
             record = StepRecord(batch["prompts"], batch["targets"], batch["n_words"], roll.texts, trajectory.rewards, G)
             if self.dynamic_sampling is not None:
-                draw = self.trainer.datamodule.refill_draw(batch["batch_index"], max(batch["n_words"]))  # longest stage
+                draw = batch["refill"]  # seeded by the batch's index and the round, at the batch's longest length
                 generate = lambda extra: self.generate_trajectory(move_data_to_device(extra, self.device))[0]  # noqa: E731
                 max_rounds, pad = self.dynamic_sampling.max_rounds, self.tokenizer.pad_token_id
                 trajectory, counts = refill(trajectory, generate, draw, G, max_rounds, pad)

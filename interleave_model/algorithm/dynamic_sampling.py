@@ -28,8 +28,9 @@ def refill(
         trajectory: The batch's trajectory, group-major.
         generate: Rolls out and scores a batch of extra prompts (the module's `generate_trajectory`).
         draw: `draw(round, n)` gives `n` extra prompts for refill round `round`, as a batch on the policy's device.
-            The module draws them from `datamodule.sample_refill`, seeded by the batch index and the round, so a
-            resumed run draws the same ones; replayed rows of earlier stages are refilled at the batch's stage.
+            A GRPO batch carries it (`refill`: the DataModule's `sample_refill` for that batch), seeded by the
+            batch index and the round, so a resumed run draws the same ones; replayed rows of earlier stages are
+            refilled at the batch's stage.
         num_generations: Completions per prompt (G).
         max_rounds: Refill rounds at most (`DynamicSampling.max_rounds`).
         pad_token_id: Pads the parts to one width when they are stacked.
