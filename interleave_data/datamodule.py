@@ -327,11 +327,13 @@ class InterleaveDataModule(LightningDataModule):
         return _loader(_TrainStream(self), batch_size=None, num_workers=0, collate_fn=self._collate_train)
 
     def _collate_train(self, item: tuple[int, str, list[Example]]) -> dict:
-        """Training batch ``k``, which carries what its step needs of the stream: its index (``batch_index``), and for
-        a GRPO batch ``refill``, ``draw(round, n)`` of dynamic sampling: ``sample_refill`` for batch ``k`` at its
-        longest length on this rank."""
+        """Training batch ``k``, which carries what its step needs of the stream: its index (``batch_index``), where
+        the phases lie as it is drawn (``sft_steps``, ``grpo_start``: a check may end the warm start only from a batch
+        not drawn yet, so a batch's values are those of its step), and for a GRPO batch ``refill``, ``draw(round, n)``
+        of dynamic sampling: ``sample_refill`` for batch ``k`` at its longest length on this rank."""
         k, phase, examples = item
         batch = self.collate(examples, phase) | {"batch_index": k}
+        batch |= {"sft_steps": self.curriculum.sft_steps, "grpo_start": self.curriculum.grpo_start}
         if phase == "grpo":  # replayed rows of earlier stages are refilled at the batch's stage, its longest length
             n_words = max(e.n_words for e in examples)
             batch["refill"] = partial(self.sample_refill, k, n_words=n_words, rank=self.rank)

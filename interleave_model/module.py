@@ -20,7 +20,7 @@ from interleave_model.algorithm.loss import GRPOLoss
 from interleave_model.algorithm.ranks import mean_over_ranks
 from interleave_model.algorithm.records import StepRecord, Trajectory, stream_stats, trajectory_stats
 from interleave_model.algorithm.rewards import FIELDS, AlignmentReward, RewardFunction, combine
-from interleave_model.algorithm.schedule import PhaseSchedule
+from interleave_model.algorithm.schedule import Phases, PhaseSchedule
 from interleave_model.algorithm.step_guard import StepGuard, check_clipping
 from interleave_model.algorithm.update import policy_backward, target_backward
 from interleave_model.evaluation.evaluator import Evaluator, monitored_lengths
@@ -148,6 +148,10 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         self.evaluator = Evaluator(self.evaluation, seed)  # validation and test metrics, per length
         self.guard = StepGuard()  # skips (and counts) the steps a non-finite loss or gradient would spoil
         self._rng: torch.Generator | None = None
+        # where the phases lie, as the last training batch carried them (the data's curriculum, the one owner of the
+        # phase switch: `sft_steps` warm-start batches, then GRPO from `grpo_start`, earlier where
+        # `data.curriculum.warm_start_until` ended the warm start); None before one, or on another loader: GRPO from 0
+        self.phases: Phases | None = None
         self.sampler = Sampler(
             self.policy, self.tokenizer, self.stop_ids, rollout_engine, sampling, self.model_path, vllm, seed
         )
@@ -174,16 +178,9 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     # ---------------------------------------------------------------- the phases
 
     @property
-    def phases(self):
-        """The data's curriculum, the one owner of the phase switch: `sft_steps` warm-start batches, then GRPO from
-        `grpo_start` (earlier where `data.curriculum.warm_start_until` ended the warm-start). None outside a fit on
-        the InterleaveDataModule (GRPO from the first step)."""
-        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return getattr(datamodule, "curriculum", None)
-
-    @property
     def grpo_start(self) -> int:
-        """The step GRPO starts at (a warm-start batch is one step): the curriculum's, 0 without one."""
+        """The step GRPO starts at (a warm-start batch is one step): the curriculum's as the batches carry it, 0
+        without one."""
         return 0 if self.phases is None else self.phases.grpo_start
 
     # ---------------------------------------------------------------- Lightning hooks
@@ -210,7 +207,7 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def training_step(self, batch: dict, batch_idx: int) -> dict:
-        record = None
+        record, self.phases = None, Phases.of(batch)  # the schedule reads them at this step's rate
         if batch["phase"] == "sft":
             stats = self.sft_step(batch)
         else:

@@ -4,8 +4,8 @@ holds each phase's rate; a function of the step, so a resumed run needs no sched
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any, Protocol, get_args
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, get_args
 
 import torch
 from torch.optim.lr_scheduler import LRScheduler
@@ -38,15 +38,18 @@ def lr_factor(
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class Phases(Protocol):
-    """Where the phases lie (the data's `Curriculum`): `sft_steps` warm-start steps planned, GRPO from `grpo_start`
-    (earlier where a held-out score ended the warm start)."""
+class Phases(NamedTuple):
+    """Where the phases lie (the data's curriculum, as each training batch carries it): `sft_steps` warm-start steps
+    planned, GRPO from `grpo_start` (earlier where a held-out score ended the warm start)."""
 
-    @property
-    def sft_steps(self) -> int: ...
+    sft_steps: int
+    grpo_start: int
 
-    @property
-    def grpo_start(self) -> int: ...
+    @classmethod
+    def of(cls, batch: Mapping[str, Any]) -> Phases | None:
+        """The phases a training batch carries; None for a batch without them (a loader other than the
+        InterleaveDataModule's: GRPO from step 0)."""
+        return cls(batch["sft_steps"], batch["grpo_start"]) if "grpo_start" in batch else None
 
 
 class PhaseSchedule(LRScheduler):
@@ -57,14 +60,15 @@ class PhaseSchedule(LRScheduler):
 
     A step's rate is a function of the step, its phase and where the phases lie, so the scheduler keeps no state: a
     resumed run, one from a checkpoint saved without a scheduler included, continues at the same rates, and a resume
-    that sets another rate uses it. A step's phase is its batch's, known as the batch arrives, and the curriculum may
-    end the warm start at any check, so the rate is set just before the step (`at`), not after the step before.
+    that sets another rate uses it. A step's phase and where the phases lie are its batch's, known as the batch
+    arrives, and the curriculum may end the warm start at any check, so the rate is set just before the step (`at`),
+    not after the step before.
 
     Args:
         optimizer: The optimizer whose rate this sets (every parameter group the same).
         settings: The rates, warm-up and schedule (`Optimization`).
         max_steps: The trainer's; <= 0 (unknown) keeps the GRPO phase flat after its warm-up.
-        phases: Where the phases lie now; None (no curriculum) = GRPO from step 0.
+        phases: Where the phases lie now, as the step's batch carries them; None (no curriculum) = GRPO from step 0.
     """
 
     def __init__(
@@ -102,7 +106,7 @@ class PhaseSchedule(LRScheduler):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        """Nothing: the step and the phases are the trainer's and the curriculum's, which their checkpoints restore."""
+        """Nothing: the step is the trainer's, which its checkpoint restores, and the phases come with each batch."""
         return {}
 
     @override

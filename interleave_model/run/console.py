@@ -153,8 +153,7 @@ class ConsoleSummary(L.Callback):
             return
         if trainer.state.fn == TrainerFn.FITTING:
             first, self.first = self.first, self.first or self.last
-            grpo_start = getattr(pl_module, "grpo_start", None)
-            if grpo_start is None or trainer.global_step <= grpo_start:  # no GRPO step yet
+            if trainer.global_step <= _grpo_start(trainer):  # no GRPO step yet
                 self.before_grpo = self.last
             _say(evaluation_line(self.last, first, _stage(trainer)))
         else:
@@ -208,7 +207,7 @@ class ConsoleSummary(L.Callback):
             earlier = command == "fit" and self.first is not None and self.first["step"] < self.last["step"]
             first = self.first if earlier else None
             lines += score_table(self.last, first)
-            grpo_start = getattr(trainer.lightning_module, "grpo_start", None)
+            grpo_start = _grpo_start(trainer)
             if command == "fit" and grpo_start and self.before_grpo and self.before_grpo["step"] < self.last["step"]:
                 lines += grpo_lines(self.last, self.before_grpo, grpo_start, trainer.global_step)
         lines += [f"run folder: {run_dir}"]
@@ -254,6 +253,13 @@ def _measures(row: dict, before: dict | None) -> str:
     """`0.994 (+0.210) exact 0.910 (+0.410)`: the score and exact match, with their change since `before`."""
     score, exact = (f"{row[key]:.3f}" + (f" ({row[key] - before[key]:+.3f})" if before else "") for key in KEYS)
     return f"{score} exact {exact}"
+
+
+def _grpo_start(trainer: L.Trainer) -> int:
+    """The step GRPO starts at: the data's curriculum's (`Curriculum.grpo_start`), as a check may have moved it; 0
+    on other data (GRPO from the first step)."""
+    curriculum = getattr(trainer.datamodule, "curriculum", None)
+    return 0 if curriculum is None else curriculum.grpo_start
 
 
 def _stage(trainer: L.Trainer) -> str:

@@ -145,6 +145,20 @@ def test_the_count_moves_as_each_training_batch_goes_to_its_step(tmp_path, token
     assert dm.batches_run == 1 and dm.state_dict()["batches_run"] == 1
 
 
+def test_a_training_batch_carries_where_the_phases_lie_and_its_refill_draw(tmp_path, tokenizer):
+    # sft_steps 3; a check before batch 1 is drawn ends the warm start there, as warm_start_until does: batch 0,
+    # drawn before it, is a warm-start batch carrying the start planned, batch 1 a GRPO one carrying the new start
+    dm = make_dm(tmp_path, tokenizer, batch_size=2, sft_steps=3)
+    stream = iter(dm.train_dataloader())
+    first = next(stream)
+    dm.curriculum.state.warm_end = 1
+    second = next(stream)
+    assert [(b["phase"], b["sft_steps"], b["grpo_start"]) for b in (first, second)] == [("sft", 3, 3), ("grpo", 3, 1)]
+    assert "refill" not in first  # a warm-start batch is never refilled
+    # the refill draws the batch's own seeded stream (its index, this rank) at its longest length
+    assert second["refill"](0, 2)["ids"] == dm.sample_refill(1, 0, 2, max(second["n_words"]))["ids"]
+
+
 def test_a_checkpoint_without_the_count_resumes_at_the_global_step(tmp_path):
     dm = make_dm(tmp_path, batch_size=4)
     dm.load_state_dict({"curriculum": dm.curriculum.state_dict()})  # written before the count was kept
