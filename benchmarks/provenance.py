@@ -24,11 +24,11 @@ def provenance(threads: int | None = None) -> dict[str, object]:
     }
 
 
-def _commit() -> str | None:
-    here = Path(__file__).parent
+def commit_of(tree: Path) -> str | None:
+    """The commit checked out at `tree`, `+dirty` when its tracked files differ from it; None outside a checkout."""
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tree, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=tree,
                                capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -48,4 +48,4 @@ def _cpu_model() -> str:
 
 # the checkout's commit when a benchmark imported this module, at its start ("+dirty" when tracked files differ from
 # it; None outside a git checkout): a run of an hour prints its line after later commits may have landed
-STARTED_AT = _commit()
+STARTED_AT = commit_of(Path(__file__).parent)

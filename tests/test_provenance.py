@@ -16,7 +16,7 @@ def test_a_json_line_carries_its_command_commit_and_machine(monkeypatch):
     line = provenance(threads=1)
     assert line["command"] == "python benchmarks/efficacy.py --seeds 1" and line["threads"] == 1
     assert line["commit"] is None or len(line["commit"].removesuffix("+dirty")) == 40  # a checkout's HEAD
-    monkeypatch.setattr(provenance_py, "_commit", lambda: "a later commit")
+    monkeypatch.setattr(provenance_py, "commit_of", lambda tree: "a later commit")
     assert provenance(threads=1)["commit"] == provenance_py.STARTED_AT != "a later commit"  # the one it started from
     assert line["python"].count(".") == 2 and line["torch"] and line["cpu"]
 
