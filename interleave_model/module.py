@@ -388,7 +388,9 @@ class InterleaveGRPO(HeldOutEvaluation, L.LightningModule):
     def _step_optimizer(self, loss: float, phase: str) -> dict[str, float]:
         """Step at the scheduled rate; a non-finite loss or gradient norm skips the step, which still counts
         (`StepGuard.step`, what it logs)."""
-        self.lr_schedulers().at(phase, self.global_step)
+        schedule = self.lr_schedulers()
+        if schedule is not None:  # an optimizer a subclass configures without a schedule keeps its own rate
+            schedule.at(phase, self.global_step)
         return self.guard.step(self.optimizers(), loss)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -18,6 +18,7 @@ import yaml
 
 from cli import main
 from interleave_model.algorithm.rewards import RewardFunction
+from interleave_model.algorithm.schedule import PhaseSchedule
 from interleave_model.generation.rollout import Rollout
 from interleave_model.model.policy import TinyModelConfig
 from interleave_model.module import InterleaveGRPO
@@ -158,9 +159,10 @@ class ScriptedGRPO(InterleaveGRPO):
         )
 
     def configure_optimizers(self):
-        return torch.optim.SGD(
-            [p for p in self.policy.parameters() if p.requires_grad], lr=self.optimization.learning_rate
-        )
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(params, lr=self.optimization.learning_rate)
+        schedule = PhaseSchedule(optimizer, self.optimization, self.trainer.max_steps, lambda: self.phases)
+        return {"optimizer": optimizer, "lr_scheduler": schedule}
 
     def grpo_step(self, trajectory, batch):
         stats = super().grpo_step(trajectory, batch)
