@@ -54,6 +54,7 @@ class CurriculumCallback(L.Callback):
         if self.curriculum is None:
             raise ValueError("CurriculumCallback needs the InterleaveDataModule (fit with datamodule=...)")
         self.run_dir = run_dir(trainer)  # on every rank: under DDP, trainer.log_dir is a collective
+        self.stages_dir = self.run_dir / "stages"  # each stage's end exported under it (`stage_folder`)
 
     @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
@@ -66,7 +67,7 @@ class CurriculumCallback(L.Callback):
             counts, pass_at_g, words = counts
             decision = curriculum.observe(counts)
             if decision.advice is not None:  # a stop: worded here, recorded by the curriculum
-                exports = str(self.run_dir / "stages") if self.export else None
+                exports = str(self.stages_dir) if self.export else None
                 stopped = stop_message(decision.advice, exports)
                 decision = replace(decision, message=curriculum.record_stop(stopped, counts))
             logged |= {
@@ -157,7 +158,12 @@ class CurriculumCallback(L.Callback):
         """The same folder as `cli.py export` writes: a HF model, or a peft adapter under LoRA."""
         if trainer.is_global_zero:
             source = {"stage_words": n_words, "global_step": trainer.global_step}
-            export(pl_module, self.run_dir / "stages" / f"{n_words}words", source=source)
+            export(pl_module, stage_folder(self.stages_dir, n_words), source=source)
+
+
+def stage_folder(stages: str | Path, n_words: int) -> Path:
+    """The folder a stage's end is exported to, under the run's `stages` folder: `<stages>/<N>words`."""
+    return Path(stages) / f"{n_words}words"
 
 
 def stop_message(advice: StopAdvice, exports: str | None) -> str:
@@ -165,7 +171,7 @@ def stop_message(advice: StopAdvice, exports: str | None) -> str:
 
     Args:
         advice: The stop's why and what to change.
-        exports: The folder stage ends are exported to (`<exports>/<N>words`); None = not exported.
+        exports: The folder stage ends are exported to (`stage_folder`); None = not exported.
     """
     smaller = [smaller_step_text(advice.smaller_step, exports)] if advice.smaller_step is not None else []
     return f"curriculum: stopping, {advice.why}. What to change: {'; or '.join([*smaller, *advice.others])}."
@@ -177,7 +183,7 @@ def smaller_step_text(step: SmallerStep, exports: str | None) -> str:
     args = []
     if not step.rerun:
         learned = step.learned_words
-        weights = f"{exports}/{learned}words" if exports else f"<the {learned}-word stage's weights>"
+        weights = stage_folder(exports, learned) if exports else f"<the {learned}-word stage's weights>"
         args += [f"--model.base.init_from {weights}", "--data.sft_steps 0"]
     args.append(f"--data.stages '{json.dumps(step.stages)}'")
     args += [f"--data.curriculum.{name} '{json.dumps(values)}'" for name, values in step.per_stage.items()]
