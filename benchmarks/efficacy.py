@@ -48,12 +48,15 @@ from cli import main
 from interleave_data.atomic import replacing
 from interleave_model.evaluation.evaluator import Evaluator
 
-MEASURES = ("score", "score_stderr", "exact_match")
+# each stream's accuracy and the share of answers that copy one fragment: the alignment score pays such a copy 0.5, so
+# a score near 0.5 is read with them
+MEASURES = ("score", "score_stderr", "exact_match", "a_accuracy", "b_accuracy", "copy_share")
 BATCH_KEYS = ("words", "reward", "success", "pass_at_g", "zero_std", "identical")
 
 
 def tested(module) -> dict[str, dict[str, float]]:
-    """The last test's rows as `{"<N>w": {score, score_stderr, exact_match, pass@k...}}`."""
+    """The last test's rows as `{"<N>w": {score, score_stderr, exact_match, a_accuracy, b_accuracy, copy_share,
+    pass@k...}}`."""
     rows = module.eval_results["lengths"]
     return {
         f"{row['n_words']}w": {k: round(v, 4) for k, v in row.items() if k in MEASURES or k.startswith("pass@")}

@@ -107,6 +107,8 @@ def test_an_arm_runs_from_its_configs_and_prints_one_line(tmp_path):
     for when in ("test_start", "test_end"):
         assert set(arm[when]) == {"4w", "8w"}
         assert {"score", "score_stderr", "exact_match", "pass@1", "pass@2"} <= arm[when]["4w"].keys()
+        assert {"a_accuracy", "b_accuracy", "copy_share"} <= arm[when]["4w"].keys()  # a copy's 0.5 shows as one
+        assert 0.0 <= arm[when]["4w"]["copy_share"] <= 1.0
     assert [p["step"] for p in arm["curve"]] == [3, 6] and arm["curve"][0]["length"] >= 4
     assert len(arm["words"]) == 3 and all(4 <= w <= 8 for w in arm["words"])  # 6 GRPO batches in bins of 2
     assert arm["transitions"][0]["kind"] == "milestone"  # 4 words, ungated, passed at the first GRPO batch
