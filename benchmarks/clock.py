@@ -7,6 +7,9 @@ instead of wall seconds: with one torch thread, a run's own work, whatever else 
 at the first GRPO batch, or at the first batch in a run of supervised steps only (`data.sft_steps` >= its
 `trainer.max_steps`).
 
+Beside the budget it counts the whole fit's seconds (`fit_seconds`: a warm start inside the run, GRPO and every
+held-out check), what a run of a shipped config costs end to end.
+
 Its state (the seconds spent, the curve, the per-batch rows and whatever the benchmark keeps in `extra`) is saved in
 the run's checkpoints, so an arm stopped by SIGTERM goes on with `--ckpt_path last` where its clock stood.
 """
@@ -42,6 +45,8 @@ class Clock(L.Callback):
         self.evaluating = 0.0  # seconds of held-out evaluation while the clock ran, all processes
         self._evaluating_here = 0.0
         self._eval_began: float | None = None
+        self.fit_spent = 0.0  # the whole fit's seconds before this process (a resumed arm's)
+        self._fit_began: float | None = None
         self.stopped_early = False  # `stop_file` appeared: the arm ended before its budget
         self.batches: list[dict] = []
         self.curve: list[dict] = []
@@ -52,17 +57,23 @@ class Clock(L.Callback):
         here = 0.0 if self.started is None else self.now() - self.started - self._evaluating_here
         return self.spent + here
 
+    def fit_seconds(self) -> float:
+        """The whole fit's seconds so far, in every process: supervised and GRPO steps and held-out checks."""
+        return self.fit_spent + (0.0 if self._fit_began is None else self.now() - self._fit_began)
+
     def state_dict(self) -> dict:
         return {"spent": self.seconds(), "evaluating": self.evaluating, "batches": self.batches, "curve": self.curve,
-                "extra": self.extra}  # fmt: skip
+                "extra": self.extra, "fit": self.fit_seconds()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         self.spent, self.evaluating = state["spent"], state["evaluating"]
+        self.fit_spent, self._fit_began = state.get("fit", 0.0), self.now()  # a checkpoint from before it: 0
         self.batches, self.curve, self.extra = state["batches"], state["curve"], state["extra"]
         self.started, self._evaluating_here = None, 0.0
 
     def on_fit_start(self, trainer, pl_module):
         self.supervised = trainer.datamodule.sft_steps >= trainer.max_steps
+        self._fit_began = self._fit_began or self.now()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.started is None and (batch["phase"] == "grpo" or self.supervised):

@@ -13,7 +13,8 @@ arms that differ only in how they train (`TRAINING_ONLY`). From the start's weig
 held-out pairs at every evaluation length with greedy answers and `--samples` sampled ones (pass@1 and pass@k: an
 answer counts from the schedule's success level; at `--sample-lengths` only, when given), trains until `--minutes`
 of training (evaluations left out; `--clock cpu` counts this process's CPU time; the minutes count GRPO steps, or
-supervised ones in an arm of supervised steps only) or until its curriculum stops, then tests again.
+supervised ones in an arm of supervised steps only) or until its curriculum stops, then tests again. The line's
+`fit_minutes` counts the whole fit on the same clock: a warm start inside the run, GRPO and every held-out check.
 
 An arm may span sessions: SIGTERM (`kill PID`) pauses it, saving its run's `last.ckpt` with the clock's minutes, curve
 and the start's test; the same command with `--resume` goes on from there (one arm and one seed).
@@ -190,7 +191,8 @@ def run_arm(args, configs: list[str], start: str | None, seed: int, extra: list[
         clock.extra["test_start"], clock.extra["test_start_commit"] = test["scores"], test["commit"]
     cli = main(["fit", *common, *(["--ckpt_path", "last"] if args.resume else [])], callbacks=[clock, sampling])
     module, dm, curriculum = cli.model, cli.datamodule, cli.datamodule.curriculum
-    end_training = {"steps": cli.trainer.global_step, "training_minutes": round(clock.seconds() / 60, 1)}
+    end_training = {"steps": cli.trainer.global_step, "training_minutes": round(clock.seconds() / 60, 1),
+                    "fit_minutes": round(clock.fit_seconds() / 60, 1)}  # fmt: skip
     cli.trainer.test(module, datamodule=dm, verbose=False)
     return {
         "benchmark": "efficacy", "arm": Path(configs[-1]).stem, "configs": configs, "start": start, "seed": seed,

@@ -136,6 +136,7 @@ def test_a_resumed_arm_keeps_its_clock_curve_and_start_test(tmp_path):
     assert len(resumed["words"]) == 3  # the 2 GRPO batches before the pause are in the first bin
     assert resumed["training_minutes"] >= first["training_minutes"]
     assert resumed["eval_s"] >= first["eval_s"]
+    assert resumed["fit_minutes"] >= max(first["fit_minutes"], resumed["training_minutes"])  # the whole fit, both
 
 
 def _overlay(path: Path, trainer: dict, data: dict) -> str:
