@@ -460,3 +460,16 @@ def test_grpo_starts_with_fresh_adamw_moments_after_the_warm_start(make_module, 
     _fit(module, datamodule, steps=4)
     # two supervised steps, then GRPO's moments count from its own first step, as a run from the warm weights
     assert optimizer_steps == [{1}, {2}, {1}, {2}]
+
+
+def test_an_optimizer_configured_without_a_schedule_keeps_its_own_rate(make_module, make_datamodule):
+    # a subclass's configure_optimizers returning a bare optimizer (no PhaseSchedule): both phases step at its rate
+    module = make_module(rewards=[CompletionLength()], kl={"beta": 0.0})
+    params = [p for p in module.policy.parameters() if p.requires_grad]
+    module.configure_optimizers = lambda: torch.optim.SGD(params, lr=0.05)
+    datamodule = make_datamodule(module.tokenizer, sft_steps=1, sft_batch_size=2)
+    before = _snapshot(module.policy)
+    trainer = _fit(module, datamodule, steps=3)
+    assert trainer.global_step == 3 and module.lr_schedulers() is None
+    assert module.optimizers().param_groups[0]["lr"] == 0.05
+    assert any(not torch.equal(before[k], v) for k, v in _snapshot(module.policy).items())  # it trained
