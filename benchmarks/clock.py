@@ -73,7 +73,8 @@ class Clock(L.Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self.supervised = trainer.datamodule.sft_steps >= trainer.max_steps
-        self._fit_began = self._fit_began or self.now()
+        if self._fit_began is None:  # a resumed clock began counting when its state loaded
+            self._fit_began = self.now()
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.started is None and (batch["phase"] == "grpo" or self.supervised):
